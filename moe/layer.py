@@ -1,0 +1,188 @@
+"""``MoELayer``: a drop-in replacement for a dense FFN.
+
+Legend: T tokens, K slots, D model dim, E experts.
+
+``forward(x)`` maps ``[..., D]`` to the same shape. The auxiliary losses reach the backward pass
+through the output itself (``_AttachAuxLoss``, after Megatron-Core's aux-loss auto-scaler), so a
+training loop only calls ``loss.backward()``; their values and the router statistics are in
+``layer.stats`` after each forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .comm import all_reduce_sum, group_size
+from .config import MoEConfig
+from .dispatch import AllToAllDispatcher, LocalDispatcher
+from .experts import DenseFFN, GroupedExperts
+from .losses import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
+from .router import Router
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, gives ``aux_loss`` the gradient ``scale`` as if it had been
+    added to the training loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux_loss, scale: float):
+        ctx.scale = scale
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_out.device), None
+
+
+def _in_backward() -> bool:
+    # activation checkpointing re-runs forward inside the backward pass; statistics must not be
+    # counted a second time then
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class MoEStats:
+    """Detached values from the last forward (global over the data-parallel group when given)."""
+
+    aux_loss: torch.Tensor
+    seq_aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    tokens_per_expert: torch.Tensor  # assignments routed to each expert, before capacity
+    dropped_fraction: torch.Tensor  # fraction of the k*T assignments dropped at capacity
+    router_entropy: torch.Tensor  # mean entropy (nats) of each token's distribution over experts
+
+    def as_dict(self) -> dict:
+        return {k: (v.tolist() if v.dim() else v.item()) for k, v in self.__dict__.items()}
+
+
+class MoELayer(nn.Module):
+    """Router -> dispatcher -> grouped experts (+ shared experts).
+
+    ``ep_group``: the expert-parallel group; each of its R ranks holds E/R experts and tokens cross
+    it by All-to-All. ``dp_group``: the data-parallel group over which balancing statistics are
+    reduced (global-batch balancing). ``None`` means one process for either.
+    """
+
+    def __init__(self, cfg: MoEConfig, *, ep_group=None, dp_group=None):
+        super().__init__()
+        self.cfg = cfg
+        self.ep_group = ep_group
+        self.dp_group = dp_group
+        ep = group_size(ep_group)
+        if cfg.num_experts % ep:
+            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the expert-parallel size {ep}")
+        local = cfg.num_experts // ep
+        rank = 0 if ep_group is None else torch.distributed.get_rank(ep_group)
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(local, cfg.d_model, cfg.d_ff, cfg.activation, expert_offset=rank * local, num_global=cfg.num_experts)
+        self.shared_experts = None
+        if cfg.num_shared_experts:
+            self.shared_experts = DenseFFN(cfg.d_model, cfg.shared_d_ff or cfg.d_ff * cfg.num_shared_experts, cfg.activation)
+        self.dispatcher = AllToAllDispatcher(ep_group) if ep > 1 else LocalDispatcher()
+        # multiplies the aux-loss gradient: set to 1/N when the training loss is divided by N
+        # (gradient accumulation), see moe.scale_aux_losses
+        self.aux_loss_scale = 1.0
+        self.register_buffer("load_since_update", torch.zeros(cfg.num_experts), persistent=False)
+        self.stats: MoEStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if x.shape[-1] != cfg.d_model:
+            raise ValueError(f"MoELayer expects last dimension d_model={cfg.d_model}, got input of shape {tuple(x.shape)}")
+        shape = x.shape
+        x_TD = x.reshape(-1, cfg.d_model)
+        T = x_TD.shape[0]
+        routing = self.router(x_TD, self.ep_group)
+        out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+
+        lse_T = torch.logsumexp(routing.logits_TE.detach(), dim=-1)
+        z_sum = lse_T.square().sum()
+        entropy_sum = routing_entropy(routing.probs_TE.detach()) * T
+        # one all-reduce carries every global statistic: routed counts, tokens, dropped, prob sums
+        E = cfg.num_experts
+        K = routing.selected_TK.shape[1]
+        selected = routing.selected_TK.reshape(-1)
+        selected = selected[selected >= 0]
+        local_counts_E = torch.bincount(selected, minlength=E)
+        packed = torch.cat([
+            local_counts_E.double(),
+            torch.tensor([T, float(routing.num_dropped)], dtype=torch.float64, device=x.device),
+            routing.probs_TE.detach().sum(0).double(),
+            torch.stack([z_sum, entropy_sum]).double(),
+        ])
+        all_reduce_sum(packed, self.dp_group)
+        counts_E = packed[:E]
+        T_global = max(int(packed[E].item()), 1)
+        dropped = packed[E + 1]
+
+        zero = routing.logits_TE.sum() * 0.0
+        lb_loss = lb_value = zero
+        if cfg.router == "token_choice":
+            lb_loss = load_balancing_loss(routing.probs_TE, counts_E.float(), K, T_global)
+            if T == 0:
+                lb_loss = zero
+            P_global = (packed[E + 2 : 2 * E + 2] / T_global).float()
+            lb_value = E * torch.dot(counts_E.float() / (K * T_global), P_global)
+        seq_loss = zero
+        if cfg.seq_aux_loss_coef > 0 and cfg.router == "token_choice" and T > 0:
+            seq_len = shape[-2] if len(shape) >= 3 else T
+            seq_loss = sequence_load_balancing_loss(routing.probs_TE.view(-1, seq_len, E), routing.selected_TK.view(-1, seq_len, K))
+        z_loss = router_z_loss(routing.logits_TE)
+
+        aux = zero
+        if cfg.aux_loss_coef > 0:
+            aux = aux + cfg.aux_loss_coef * lb_loss
+        if cfg.seq_aux_loss_coef > 0:
+            aux = aux + cfg.seq_aux_loss_coef * seq_loss
+        if cfg.z_loss_coef > 0:
+            aux = aux + cfg.z_loss_coef * z_loss
+        if torch.is_grad_enabled() and aux.requires_grad:
+            out_TD = _AttachAuxLoss.apply(out_TD, aux, self.aux_loss_scale)
+
+        if not _in_backward():
+            if self.training:
+                self.load_since_update += counts_E.to(self.load_since_update.dtype)
+            self.stats = MoEStats(
+                aux_loss=lb_value.detach(),
+                seq_aux_loss=seq_loss.detach(),
+                z_loss=(packed[-2] / T_global).float(),
+                tokens_per_expert=counts_E.detach().long(),
+                dropped_fraction=(dropped / (K * T_global)).float(),
+                router_entropy=(packed[-1] / T_global).float(),
+            )
+        return out_TD.view(shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float | None = None) -> None:
+        """Aux-loss-free balancing step; call after each optimizer step. Uses the load routed since
+        the previous call (already global over the data-parallel group), then resets it."""
+        if not self.cfg.expert_bias:
+            return
+        rate = self.cfg.bias_update_rate if rate is None else rate
+        self.router.update_bias(self.load_since_update, rate)
+        self.load_since_update.zero_()
+
+
+def moe_layers(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def scale_aux_losses(model: nn.Module, scale: float) -> None:
+    """Make every MoE layer's aux-loss gradient match a training loss multiplied by ``scale``."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = scale
+
+
+def update_expert_biases(model: nn.Module, rate: float | None = None) -> None:
+    for layer in moe_layers(model):
+        layer.update_expert_bias(rate)
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return getattr(p, "expert_parallel", False)

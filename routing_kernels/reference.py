@@ -1,0 +1,147 @@
+"""Pure-torch references for the routing kernels.
+
+These are the CPU path and the test oracle of the Triton kernels; a Triton kernel must keep the
+same signature as its reference here.
+
+Legend (used project-wide): T tokens, K routing slots per token (top-k), D model dim,
+F expert hidden dim, E experts, S rows in expert order (kept assignments), R ranks.
+
+An assignment (t, k) is *dropped* when its expert id is negative; every op skips it, and its
+destination row is -1.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def routing_metadata(expert_ids_TK: torch.Tensor, num_experts: int):
+    """Counts, segment offsets and destination rows of a routing decision.
+
+    Returns ``(counts_E, offsets_E1, dest_TK)``: assignments sent to each expert, the start row of
+    each expert's segment (``E + 1`` entries, the last one the number of kept rows S), and for each
+    assignment its row in expert-contiguous order. Rows within an expert keep token order (stable),
+    so capacity by position and the All-to-All regrouping see tokens in their global order.
+    """
+    T, K = expert_ids_TK.shape
+    flat_A = expert_ids_TK.reshape(-1).long()
+    valid_A = flat_A >= 0
+    # dropped assignments sort behind every expert
+    key_A = torch.where(valid_A, flat_A, torch.full_like(flat_A, num_experts))
+    counts_E = torch.bincount(key_A, minlength=num_experts + 1)[:num_experts]
+    offsets_E1 = torch.zeros(num_experts + 1, dtype=torch.long, device=flat_A.device)
+    torch.cumsum(counts_E, 0, out=offsets_E1[1:])
+    order_A = torch.argsort(key_A, stable=True)
+    dest_A = torch.empty_like(flat_A)
+    dest_A[order_A] = torch.arange(flat_A.numel(), device=flat_A.device)
+    dest_A = torch.where(valid_A, dest_A, torch.full_like(dest_A, -1))
+    return counts_E, offsets_E1, dest_A.view(T, K)
+
+
+def source_tokens(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """For each row in expert order, the token it came from (the inverse of ``dest_TK``)."""
+    T, K = dest_TK.shape
+    flat = dest_TK.reshape(-1)
+    valid = flat >= 0
+    token_A = torch.arange(T * K, device=flat.device) // K
+    src_S = torch.empty(num_rows, dtype=torch.long, device=flat.device)
+    src_S[flat[valid]] = token_A[valid]
+    return src_S
+
+
+class _Permute(torch.autograd.Function):
+    # forward is a gather of token rows; its backward is the inverse permutation, a scatter-add
+    # of each token's K rows back into token order
+    @staticmethod
+    def forward(ctx, x_TD, dest_TK, num_rows):
+        src_S = source_tokens(dest_TK, num_rows)
+        ctx.save_for_backward(src_S)
+        ctx.num_tokens = x_TD.shape[0]
+        return x_TD.index_select(0, src_S)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (src_S,) = ctx.saved_tensors
+        grad_TD = grad_SD.new_zeros(ctx.num_tokens, grad_SD.shape[1])
+        grad_TD.index_add_(0, src_S, grad_SD)
+        return grad_TD, None, None
+
+
+def permute(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Rows of ``x_TD`` in expert order: ``out[dest[t, k]] = x[t]`` for every kept (t, k)."""
+    return _Permute.apply(x_TD, dest_TK, num_rows)
+
+
+class _UnpermuteCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_SD, dest_TK, weights_TK):
+        valid_TK = dest_TK >= 0
+        w_TK = torch.where(valid_TK, weights_TK, torch.zeros_like(weights_TK)).to(y_SD.dtype)
+        rows_TKD = y_SD.index_select(0, dest_TK.clamp(min=0).reshape(-1)).view(*dest_TK.shape, -1)
+        ctx.save_for_backward(y_SD, dest_TK, w_TK)
+        ctx.weights_dtype = weights_TK.dtype
+        # [T,1,K] @ [T,K,D]: one batched pass instead of K weighted adds
+        return torch.bmm(w_TK.unsqueeze(1), rows_TKD).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_SD, dest_TK, w_TK = ctx.saved_tensors
+        T, K = dest_TK.shape
+        grad_TD = grad_TD.contiguous()
+        flat = dest_TK.reshape(-1)
+        valid = flat >= 0
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            # each kept row has exactly one source (t, k), so the scatter is a gather
+            src_S = source_tokens(dest_TK, y_SD.shape[0])
+            w_S = torch.empty(y_SD.shape[0], dtype=w_TK.dtype, device=w_TK.device)
+            w_S[flat[valid]] = w_TK.reshape(-1)[valid]
+            grad_y = grad_TD.index_select(0, src_S) * w_S.unsqueeze(1)
+        if ctx.needs_input_grad[2]:
+            rows_TKD = y_SD.index_select(0, dest_TK.clamp(min=0).reshape(-1)).view(T, K, -1)
+            grad_w = torch.bmm(rows_TKD, grad_TD.unsqueeze(2)).squeeze(2)
+            grad_w = torch.where(dest_TK >= 0, grad_w, torch.zeros_like(grad_w))
+            grad_w = grad_w.to(ctx.weights_dtype)
+        return grad_y, None, grad_w
+
+
+def unpermute_combine(y_SD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Back to token order, each token's K rows summed with its routing weights.
+
+    ``out[t] = sum_k weights[t, k] * y[dest[t, k]]`` over kept (t, k); a token with no kept
+    assignment gets zeros (the residual stream carries it).
+    """
+    return _UnpermuteCombine.apply(y_SD, dest_TK, weights_TK)
+
+
+def fused_adamw(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    grad_scale: float = 1.0,
+    param_copy: torch.Tensor | None = None,
+) -> None:
+    """One AdamW step in place over flat fp32 buffers, as ``torch.optim.AdamW`` computes it.
+
+    ``grad`` may be fp32 or bf16 and is multiplied by ``grad_scale`` first (clipping or loss
+    scaling). ``param_copy``, when given (e.g. bf16 compute weights), receives the updated weights.
+    """
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    param.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    denom = (exp_avg_sq.sqrt() / (bias2**0.5)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+    if param_copy is not None:
+        param_copy.copy_(param)
