@@ -11,6 +11,7 @@ from .dispatch import (
     unpermute_combine,
     use_backend,
 )
+from .optim import FusedAdamW
 from .reference import source_tokens
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "permute",
     "unpermute_combine",
     "fused_adamw",
+    "FusedAdamW",
     "source_tokens",
     "get_backend",
     "set_backend",

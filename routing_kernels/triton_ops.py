@@ -80,7 +80,7 @@ def _dest_kernel(ids_ptr, dest_ptr, base_EB_ptr, counts_E_ptr, offsets_E1_ptr, A
     tl.store(dest_ptr + a, tl.where(kept, start + rank, -1), mask=in_range)
 
 
-def _routing_metadata_launch(expert_ids_TK: torch.Tensor, num_experts: int):
+def _routing_metadata_launch(expert_ids_TK: torch.Tensor, num_experts: int, block_a=None, block_b=None):
     if expert_ids_TK.dim() != 2:
         raise ValueError(f"expert_ids_TK must be [T, K], got shape {tuple(expert_ids_TK.shape)}")
     if expert_ids_TK.dtype not in (torch.int32, torch.int64):
@@ -95,14 +95,15 @@ def _routing_metadata_launch(expert_ids_TK: torch.Tensor, num_experts: int):
     E = num_experts
     E_PAD = triton.next_power_of_2(E)
     # the one-hot tile is BLOCK_A x E_PAD; ~16k int32 lanes keeps it in registers for any E
-    BLOCK_A = max(16, min(1024, 16384 // E_PAD))
+    BLOCK_A = block_a or max(16, min(1024, 16384 // E_PAD))
     NB = max(1, triton.cdiv(A, BLOCK_A))
+    BLOCK_B = block_b or min(1024, triton.next_power_of_2(NB))
     dest_A = torch.empty(A, dtype=torch.int64, device=dev)
     counts_EB = torch.empty(E, NB, dtype=torch.int32, device=dev)
     counts_E = torch.empty(E, dtype=torch.int64, device=dev)
     offsets_E1 = torch.empty(E + 1, dtype=torch.int64, device=dev)
     _block_histogram_kernel[(NB,)](ids_A, dest_A, counts_EB, A, E, NB, BLOCK_A=BLOCK_A, E_PAD=E_PAD)
-    _expert_scan_kernel[(E,)](counts_EB, counts_E, NB, BLOCK_B=min(1024, triton.next_power_of_2(NB)))
+    _expert_scan_kernel[(E,)](counts_EB, counts_E, NB, BLOCK_B=BLOCK_B)
     _dest_kernel[(NB,)](ids_A, dest_A, counts_EB, counts_E, offsets_E1, A, E, NB, BLOCK_A=BLOCK_A, E_PAD=E_PAD)
     return counts_E, offsets_E1, dest_A.view(T, K)
 
