@@ -8,6 +8,7 @@ fails it after ``timeout`` seconds instead of stalling the suite.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import socket
@@ -31,11 +32,19 @@ def _worker(rank, world, port, fn, args, results, collective_timeout):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_timeout))
         out = fn(rank, world, *args)
-        results.put((rank, "ok", out))
+        # tensors travel as bytes: a queued tensor is a shared-memory handle that dies with its rank
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            # a rank that leaves while another is still connecting breaks that rank's init
+            try:
+                dist.barrier()
+            except Exception:
+                pass
             dist.destroy_process_group()
 
 
@@ -54,7 +63,10 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0, collective_ti
                 rank, status, value = results.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"{world - len(out) - len(errors)} of {world} ranks did not finish within {timeout}s")
-            (out if status == "ok" else errors)[rank] = value
+            if status == "ok":
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
             if errors:
                 break
     finally:

@@ -1,0 +1,164 @@
+"""Rank functions for the expert-parallel tests (module level so spawned ranks can import them).
+
+Every case builds the single-process layer from a seed, builds the sharded layer on the layout and
+copies the same weights into it (experts sliced by ep rank), runs the rank's slice of one global
+batch and returns what the test compares with the single-process run.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moe import MoEConfig, MoELayer
+from zero import Layout, clip_grad_norm_, sync_gradients
+
+
+def copy_full_into_sharded(sharded: nn.Module, full: nn.Module) -> None:
+    """Load a single-process model's weights into its expert-parallel twin."""
+    full_state = full.state_dict()
+    with torch.no_grad():
+        for name, p in sharded.named_parameters():
+            src = full_state[name]
+            if getattr(p, "expert_parallel", False):
+                experts = _owner(sharded, name)
+                src = src[experts.expert_offset : experts.expert_offset + experts.num_local]
+            p.copy_(src)
+
+
+def _owner(model, param_name):
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+def global_batch(n, d, seed=1):
+    # inputs vary with the seed; targets come from one fixed teacher, so there is something to learn
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    teacher = torch.linspace(-1, 1, d).unsqueeze(1)
+    return x, torch.tanh(x @ teacher) + 0.5 * torch.sin(2 * x[:, :1])
+
+
+def skew_router(layer: MoELayer, experts: list[int]) -> None:
+    # logits of the chosen experts dominate for every token: extreme routing on purpose
+    with torch.no_grad():
+        w = layer.router.weight
+        w.mul_(0.01)
+        for e in experts:
+            w[e] += 5.0 * torch.sign(torch.arange(w.shape[1], dtype=w.dtype) % 2 - 0.5)
+    # inputs of the skew cases are positive in odd dims, negative in even dims
+
+
+def layer_case(layout: Layout, cfg: MoEConfig, T_local: int, skew: list[int] | None = None):
+    torch.manual_seed(0)
+    full = MoELayer(cfg)
+    if skew is not None:
+        skew_router(full, skew)
+    layer = MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group)
+    copy_full_into_sharded(layer, full)
+    x, _ = global_batch(layout.dp * T_local, cfg.d_model)
+    if skew is not None:
+        x = x.abs() * torch.sign(torch.arange(cfg.d_model) % 2 - 0.5)
+    r = layout.dp_rank
+    x_local = x[r * T_local : (r + 1) * T_local].clone().requires_grad_(True)
+    y = layer(x_local)
+    # each rank's loss is the mean over its own tokens; with dp-averaged gradients this is the
+    # global mean, the single-process loss
+    c = torch.linspace(-1, 1, cfg.d_model)
+    loss = (y * c).sum(-1).square().mean()
+    loss.backward()
+    sync_gradients(layer, layout)
+    # dx of a rank's own tokens is unaffected by averaging: scale back to the global-mean loss
+    return {
+        "y": y.detach(),
+        "dx": x_local.grad / layout.dp,
+        "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+        "expert_offset": layer.experts.expert_offset,
+        "stats": layer.stats.as_dict(),
+    }
+
+
+class TinyMoENet(nn.Module):
+    def __init__(self, cfg: MoEConfig, d_in: int, ep_group=None, dp_group=None):
+        super().__init__()
+        self.inp = nn.Linear(d_in, cfg.d_model)
+        self.moe = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)
+        self.out = nn.Linear(cfg.d_model, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.moe(h))
+
+
+def train_case(layout: Layout, cfg: MoEConfig, steps: int, global_bs: int, max_norm: float | None, d_in: int = 8):
+    torch.manual_seed(0)
+    full = TinyMoENet(cfg, d_in)
+    model = TinyMoENet(cfg, d_in, layout.ep_group, layout.dp_group)
+    copy_full_into_sharded(model, full)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    local = global_bs // layout.dp
+    losses, norms = [], []
+    for step in range(steps):
+        x, t = global_batch(global_bs, d_in, seed=100 + step)
+        r = layout.dp_rank
+        x, t = x[r * local : (r + 1) * local], t[r * local : (r + 1) * local]
+        loss = (model(x) - t).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_gradients(model, layout)
+        if max_norm is not None:
+            norms.append(clip_grad_norm_(model, max_norm, layout).item())
+        opt.step()
+        reported = loss.detach().clone()
+        if layout.dp_group is not None:
+            dist.all_reduce(reported, group=layout.dp_group)
+        losses.append(reported.item() / layout.dp)
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "expert_offset": model.moe.experts.expert_offset}
+
+
+def ep_rank_fn(rank, world, plan):
+    """Runs every (kind, kwargs) of ``plan`` on one layout and returns the results in order."""
+    out = []
+    layouts = {}
+    for kind, kw in plan:
+        ep = kw.pop("ep")
+        if ep not in layouts:
+            layouts[ep] = Layout.build(ep=ep)
+        layout = layouts[ep]
+        if kind == "layer":
+            out.append(layer_case(layout, **kw))
+        elif kind == "train":
+            out.append(train_case(layout, **kw))
+    return out
+
+
+def bad_layout_fn(rank, world, ep, num_experts):
+    try:
+        Layout.build(ep=ep, num_experts=num_experts)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def config_mismatch_fn(rank, world):
+    from zero import check_same_on_all_ranks
+
+    try:
+        check_same_on_all_ranks(f"lr: {0.1 if rank == 0 else 0.2}")
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def dead_rank_fn(rank, world):
+    import time
+
+    if rank == 1:
+        time.sleep(8)  # never joins the collective in time
+        return "slept"
+    t = torch.ones(1)
+    start = time.time()
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # gloo raises RuntimeError on timeout
+        return f"error after {time.time() - start:.1f}s: {type(e).__name__}"
+    return "no error"
