@@ -1,0 +1,155 @@
+"""Expert parallelism against plain data parallelism (torch DDP), measured in one launch.
+
+    python -m experiments.bench_ep [--world 2] [--steps 10]
+
+Both runs train the same MoE stack on the same global batch: DDP replicates every expert on every
+rank and all-reduces all gradients; EP holds E/ep experts per rank, moves tokens by All-to-All and
+reduces only dense gradients over dp. Reports tokens/s of a full training step (forward, backward,
+gradient reduction, AdamW) for both and the share of EP's step spent inside All-to-All calls.
+Runs on gloo (CPU) or NCCL (GPU) alike; imports no hydra or wandb.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+class MoEStack(nn.Module):
+    def __init__(self, cfg, layers, ep_group=None, dp_group=None):
+        super().__init__()
+        from moe import MoELayer
+
+        self.norms = nn.ModuleList(nn.LayerNorm(cfg.d_model) for _ in range(layers))
+        self.moes = nn.ModuleList(MoELayer(cfg, ep_group=ep_group, dp_group=dp_group) for _ in range(layers))
+        self.head = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x):
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return self.head(x)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(rank, world, port, args, out_q):
+    from moe import MoEConfig
+    from zero import Layout, sync_gradients
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    cfg = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
+    T = args.tokens_per_rank
+    x = torch.randn(T, cfg.d_model, device=device)
+    target = torch.randn(T, cfg.d_model, device=device)
+
+    a2a_time = [0.0]
+    original = dist.all_to_all_single
+
+    def timed_all_to_all(*a, **kw):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = original(*a, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        a2a_time[0] += time.perf_counter() - t0
+        return r
+
+    def bench(step_fn):
+        for _ in range(args.warmup):
+            step_fn()
+        a2a_time[0] = 0.0
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step_fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / args.steps, a2a_time[0] / args.steps
+
+    results = {}
+    # DDP: every rank holds every expert
+    torch.manual_seed(0)
+    model = MoEStack(cfg, args.layers).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+
+    def ddp_step():
+        loss = (ddp(x) - target).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    results["ddp"] = bench(ddp_step)
+    del ddp, model, opt
+
+    layout = Layout.build(ep=world, num_experts=cfg.num_experts)
+    torch.manual_seed(0)
+    model = MoEStack(cfg, args.layers, layout.ep_group, layout.dp_group).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def ep_step():
+        loss = (model(x) - target).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_gradients(model, layout)
+        opt.step()
+
+    dist.all_to_all_single = timed_all_to_all
+    try:
+        results["ep"] = bench(ep_step)
+    finally:
+        dist.all_to_all_single = original
+    if rank == 0:
+        out_q.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--d-ff", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens-per-rank", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True)
+    res = q.get()
+    tokens = args.world * args.tokens_per_rank
+    ddp_t, _ = res["ddp"]
+    ep_t, ep_a2a = res["ep"]
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    print(f"world={args.world} ({backend}), {args.layers} MoE layers, D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k}, {args.tokens_per_rank} tokens/rank")
+    print("| layout | step (ms) | tokens/s | vs DDP | All-to-All share |")
+    print("|---|---|---|---|---|")
+    print(f"| DDP (all experts on every rank) | {ddp_t * 1e3:.1f} | {tokens / ddp_t:,.0f} | 1.00x | - |")
+    print(f"| EP={args.world} | {ep_t * 1e3:.1f} | {tokens / ep_t:,.0f} | {ddp_t / ep_t:.2f}x | {ep_a2a / ep_t:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
