@@ -1,0 +1,154 @@
+"""Benchmark: forward + backward of the dropless MoELayer in fp32 on this CPU.
+
+    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases]
+
+Reports, measured in the same run, the fraction of the machine's dense matmul rate the layer
+reaches: (ideal expert FLOPs / layer time) / (FLOP rate of a plain 2048^3 matmul). Ideal expert
+FLOPs count only the routed experts' matmuls: 3 matmuls x 2*A*D*F, times 3 for forward plus the
+two backward matmuls (data and weight gradient), with A = k*T assignments (SwiGLU; GELU has 2).
+Everything else the layer does (router, permutation, elementwise work, losses) is overhead that
+lowers the fraction.
+
+The machine is shared, so each figure is the median of ``--reps`` timings, and the matmul rate is
+re-measured next to every shape so a noisy neighbour moves both sides of the ratio alike.
+Legend: T tokens, K slots, D model dim, F expert hidden dim, E experts, S rows in expert order.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import routing_kernels as rk
+from moe import MoEConfig, MoELayer
+
+SHAPES = {
+    # name: (T, D, F, E, K)
+    "S1": (8192, 512, 1024, 8, 2),
+    "S2": (8192, 512, 256, 64, 6),
+}
+
+
+def _median_time(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_rate(reps: int, n: int = 2048) -> float:
+    """FLOP/s of one plain n^3 fp32 matmul (the denominator of the fraction)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.empty(n, n)
+    t = _median_time(lambda: torch.mm(a, b, out=c), reps)
+    return 2 * n**3 / t
+
+
+def ideal_expert_flops(T: int, D: int, F: int, K: int, matmuls: int = 3) -> float:
+    A = K * T
+    return matmuls * 2 * A * D * F * 3
+
+
+def make_layer(T, D, F, E, K, seed=0):
+    torch.manual_seed(seed)
+    cfg = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K)
+    layer = MoELayer(cfg)
+    x_TD = torch.randn(T, D, requires_grad=True)
+    grad_TD = torch.randn(T, D)
+    return layer, x_TD, grad_TD
+
+
+def layer_step(layer, x_TD, grad_TD):
+    for p in layer.parameters():
+        p.grad = None
+    x_TD.grad = None
+    out_TD = layer(x_TD)
+    out_TD.backward(grad_TD)
+
+
+def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps: int) -> dict:
+    """Seconds per phase, each phase timed on its own with the layer's own components.
+
+    ``backward`` is the whole backward pass of the layer; ``experts_bwd`` is the part of it spent in
+    the grouped experts. The phases are timed separately, so their sum differs a little from the
+    layer time (no cross-phase cache reuse, plus the stats/loss work counted under ``router``).
+    """
+    experts = layer.experts
+    phases = {}
+    with torch.no_grad():
+        routing = layer.router(x_TD)
+        ids_TK, w_TK = routing.expert_ids_TK, routing.weights_TK
+        phases["router"] = _median_time(lambda: layer.router(x_TD), reps)
+        phases["metadata"] = _median_time(lambda: (rk.routing_metadata(ids_TK, experts.num_local)[0].tolist()), reps)
+        counts_E, _, dest_TK = rk.routing_metadata(ids_TK, experts.num_local)
+        counts = counts_E.tolist()
+        S = sum(counts)
+        phases["permute"] = _median_time(lambda: rk.permute(x_TD, dest_TK, S), reps)
+        x_SD = rk.permute(x_TD, dest_TK, S)
+        phases["experts"] = _median_time(lambda: experts(x_SD, counts), reps)
+        y_SD = experts(x_SD, counts)
+        phases["unpermute"] = _median_time(lambda: rk.unpermute_combine(y_SD, dest_TK, w_TK), reps)
+
+    # backward of the grouped experts alone
+    x_req = x_SD.detach().requires_grad_(True)
+    g_SD = torch.randn_like(y_SD)
+
+    def experts_bwd_only():
+        y = experts(x_req, counts)
+        torch.autograd.grad(y, [x_req, *experts.parameters()], g_SD)
+
+    t_both = _median_time(experts_bwd_only, reps)
+    phases["experts_bwd"] = max(t_both - phases["experts"], 0.0)
+
+    def full_bwd():
+        for p in layer.parameters():
+            p.grad = None
+        out = layer(x_TD)
+        t0 = time.perf_counter()
+        out.backward(grad_TD)
+        return time.perf_counter() - t0
+
+    full_bwd()
+    phases["backward"] = statistics.median(full_bwd() for _ in range(reps))
+    return phases
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
+    args = ap.parse_args(argv)
+
+    torch.set_grad_enabled(True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, median of {args.reps}")
+    rows = []
+    for name in args.shapes:
+        T, D, F, E, K = SHAPES[name]
+        layer, x_TD, grad_TD = make_layer(T, D, F, E, K)
+        rate_before = matmul_rate(args.reps)
+        t_layer = _median_time(lambda: layer_step(layer, x_TD, grad_TD), args.reps)
+        rate_after = matmul_rate(args.reps)
+        rate = statistics.median([rate_before, rate_after])
+        flops = ideal_expert_flops(T, D, F, K)
+        frac = flops / t_layer / rate
+        rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac))
+        if not args.no_phases:
+            ph = phase_times(layer, x_TD, grad_TD, args.reps)
+            print(f"{name} phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()))
+
+    print()
+    print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, T, D, F, E, K, t, gf, mr, frac in rows:
+        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
