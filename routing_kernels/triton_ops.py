@@ -33,12 +33,13 @@ def _block_histogram_kernel(ids_ptr, rank_ptr, counts_EB_ptr, A, E, NB, BLOCK_A:
     # ids >= E break the contract; treating them as dropped keeps every later access in bounds
     kept = (e >= 0) & (e < E)
     cols = tl.arange(0, E_PAD)
-    onehot = (e[:, None] == cols[None, :]) & kept[:, None]  # [BLOCK_A, E_PAD]
-    onehot_i = onehot.to(tl.int32)
-    tl.store(counts_EB_ptr + cols * NB + b, tl.sum(onehot_i, axis=0), mask=cols < E)
+    # experts on the rows, assignments along the last axis, so the scan runs along the last axis
+    onehot_EA = (cols[:, None] == e[None, :]) & kept[None, :]
+    onehot_i = onehot_EA.to(tl.int32)
+    tl.store(counts_EB_ptr + cols * NB + b, tl.sum(onehot_i, axis=1), mask=cols < E)
     # stable rank within the block: how many earlier assignments of this block chose the same expert
-    before = tl.cumsum(onehot_i, axis=0) - onehot_i
-    rank = tl.sum(tl.where(onehot, before, 0), axis=1)
+    before = tl.cumsum(onehot_i, axis=1) - onehot_i
+    rank = tl.sum(tl.where(onehot_EA, before, 0), axis=0)
     tl.store(rank_ptr + a, tl.where(kept, rank, -1).to(tl.int64), mask=in_range)
 
 
@@ -75,7 +76,7 @@ def _dest_kernel(ids_ptr, dest_ptr, base_EB_ptr, counts_E_ptr, offsets_E1_ptr, A
     in_range = a < A
     e = tl.load(ids_ptr + a, mask=in_range, other=-1).to(tl.int32)
     kept = (e >= 0) & (e < E)
-    start = tl.sum(tl.where(e[:, None] == cols[None, :], start_E[None, :], 0), axis=1)
+    start = tl.sum(tl.where(cols[:, None] == e[None, :], start_E[:, None], 0), axis=0)
     rank = tl.load(dest_ptr + a, mask=in_range, other=0)
     tl.store(dest_ptr + a, tl.where(kept, start + rank, -1), mask=in_range)
 
@@ -180,7 +181,7 @@ def _check_dest(dest_TK: torch.Tensor, T: int):
         raise ValueError(f"dest_TK must be int32 or int64, got {dest_TK.dtype}")
 
 
-def _permute_launch(x_TD, dest_TK, num_rows: int, block_t=None, block_d=None):
+def _permute_launch(x_TD, dest_TK, num_rows: int, block_t=None, block_d=None, num_warps=4):
     if x_TD.dim() != 2:
         raise ValueError(f"x_TD must be [T, D], got shape {tuple(x_TD.shape)}")
     if x_TD.dtype not in _ROW_DTYPES:
@@ -195,11 +196,11 @@ def _permute_launch(x_TD, dest_TK, num_rows: int, block_t=None, block_d=None):
     x_TD = x_TD.contiguous()
     dest_TK = dest_TK.contiguous()
     BT, BD = _row_blocks(T, D, x_TD.element_size(), block_t, block_d)
-    _permute_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x_TD, dest_TK, out_SD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD)
+    _permute_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x_TD, dest_TK, out_SD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD, num_warps=num_warps)
     return out_SD
 
 
-def _permute_bwd_launch(grad_SD, dest_TK, num_tokens: int, block_t=None, block_d=None):
+def _permute_bwd_launch(grad_SD, dest_TK, num_tokens: int, block_t=None, block_d=None, num_warps=4):
     S, D = grad_SD.shape
     K = dest_TK.shape[1]
     grad_TD = grad_SD.new_empty(num_tokens, D)
@@ -211,7 +212,7 @@ def _permute_bwd_launch(grad_SD, dest_TK, num_tokens: int, block_t=None, block_d
     dest_TK = dest_TK.contiguous()
     BT, BD = _row_blocks(num_tokens, D, grad_SD.element_size(), block_t, block_d)
     grid = (triton.cdiv(num_tokens, BT), triton.cdiv(D, BD))
-    _permute_bwd_kernel[grid](grad_SD, dest_TK, grad_TD, num_tokens, D, K=K, BLOCK_T=BT, BLOCK_D=BD)
+    _permute_bwd_kernel[grid](grad_SD, dest_TK, grad_TD, num_tokens, D, K=K, BLOCK_T=BT, BLOCK_D=BD, num_warps=num_warps)
     return grad_TD
 
 
@@ -288,7 +289,7 @@ def _unpermute_combine_bwd_kernel(grad_ptr, y_ptr, dest_ptr, w_ptr, grad_y_ptr, 
                  mask=tm[:, None] & (kcols[None, :] < K))
 
 
-def _unpermute_combine_launch(y_SD, dest_TK, weights_TK, block_t=None, block_d=None):
+def _unpermute_combine_launch(y_SD, dest_TK, weights_TK, block_t=None, block_d=None, num_warps=4):
     if y_SD.dim() != 2:
         raise ValueError(f"y_SD must be [S, D], got shape {tuple(y_SD.shape)}")
     if y_SD.dtype not in _ROW_DTYPES:
@@ -310,12 +311,13 @@ def _unpermute_combine_launch(y_SD, dest_TK, weights_TK, block_t=None, block_d=N
     y_SD, dest_TK, weights_TK = y_SD.contiguous(), dest_TK.contiguous(), weights_TK.contiguous()
     BT, BD = _row_blocks(T, D, y_SD.element_size(), block_t, block_d)
     grid = (triton.cdiv(T, BT), triton.cdiv(D, BD))
-    _unpermute_combine_kernel[grid](y_SD, dest_TK, weights_TK, out_TD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD)
+    _unpermute_combine_kernel[grid](y_SD, dest_TK, weights_TK, out_TD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD,
+                                    num_warps=num_warps)
     return out_TD
 
 
 def _unpermute_combine_bwd_launch(grad_TD, y_SD, dest_TK, weights_TK, need_grad_y: bool, need_grad_w: bool,
-                                  block_t=None, block_d=None):
+                                  block_t=None, block_d=None, num_warps=4):
     T, K = dest_TK.shape
     S, D = y_SD.shape
     grad_y = y_SD.new_empty(S, D) if need_grad_y else None
@@ -336,7 +338,7 @@ def _unpermute_combine_bwd_launch(grad_TD, y_SD, dest_TK, weights_TK, need_grad_
         grad_y if grad_y is not None else y_SD,  # unused pointer when the flag is off
         grad_w if grad_w is not None else weights_TK,
         T, D, K=K, K_PAD=triton.next_power_of_2(K), NEED_GRAD_Y=need_grad_y, NEED_GRAD_W=need_grad_w,
-        BLOCK_T=block_t, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
     )
     return grad_y, grad_w
 
@@ -394,7 +396,7 @@ def _fused_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, N, decay, one_minu
 
 
 def _fused_adamw_launch(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-                        grad_scale, param_copy, block=None):
+                        grad_scale, param_copy, block=None, num_warps=4):
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 (master weights and moments), got {t.dtype}")
@@ -428,7 +430,7 @@ def _fused_adamw_launch(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, be
     _fused_adamw_kernel[(triton.cdiv(N, block),)](
         param, grad, exp_avg, exp_avg_sq, param_copy if param_copy is not None else param, N,
         1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, -lr / bias1, bias2**0.5, eps, grad_scale,
-        LERP_FROM_END=not abs(1.0 - beta1) < 0.5, HAS_COPY=param_copy is not None, BLOCK=block,
+        LERP_FROM_END=not abs(1.0 - beta1) < 0.5, HAS_COPY=param_copy is not None, BLOCK=block, num_warps=num_warps,
     )
 
 

@@ -42,9 +42,10 @@ import routing_kernels as rk  # noqa: E402
 from routing_kernels import reference as ref  # noqa: E402
 
 # Tolerances. Row moves (permute forward) are copies and must be exact. Sums of K rows are
-# accumulated in fp32 by the kernels, while the reference adds in the tensor dtype, so bf16 results
-# differ by about one bf16 ulp (2^-8 relative); fp32 results differ by reassociation only.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+# accumulated in fp32 by the kernels, while the reference rounds in the tensor dtype; and Triton's
+# interpreter truncates fp32 -> bf16 where the GPU rounds to nearest (weights and outputs). So bf16
+# results may differ by about two bf16 ulps (2^-7 relative); fp32 ones by reassociation only.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -56,6 +57,7 @@ def _interpreter():
 
 @pytest.fixture(autouse=True)
 def _triton_backend():
+    torch.manual_seed(0)  # data does not depend on which tests ran before
     with rk.use_backend("triton"):
         yield
 
