@@ -1,0 +1,283 @@
+"""ZeRO stages 0-3 (+ offload, + expert parallelism) against single-process torch.optim.AdamW.
+
+Every distributed configuration runs inside one spawn of ranks (a spawn costs seconds of imports on
+this machine): the rank function loops over stages, ep sizes, accumulation, clipping and offload and
+returns losses and final weights; the tests compare them with the single-process reference trained
+on the same global batch, split into the same micro-batches.
+
+Tolerances (fp32): the distributed runs sum gradients in a different order than one process, so
+values differ by rounding (~1e-7 relative) per step; Adam's normalisation can magnify that for
+entries whose gradient is near zero, and 20 steps compound it. 1e-5 relative on each step's loss and
+2e-5 absolute on weights of size ~0.1-1 (lr 1e-2) hold with margin.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moe import MoEConfig, MoELayer, is_expert_param, scale_aux_losses
+from tests.dist_utils import run_distributed
+from zero import Layout
+from zero.engine import ZeroEngine, default_blocks
+
+D, F, E, STEPS, LR, WD = 16, 24, 4, 20, 1e-2, 0.1
+B_PER_RANK, SEQ = 2, 3  # rows of each rank's micro-batch; odd sequence length on purpose
+CLIP = 0.05  # below the reference's gradient norms (~0.1-1), so clipping is active every step
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 2e-5
+
+
+class Block(nn.Module):
+    def __init__(self, ffn):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.ffn = ffn
+
+    def forward(self, x_BTD):
+        return x_BTD + self.ffn(self.norm(x_BTD))
+
+
+class TinyNet(nn.Module):
+    """in-projection, a dense block, an MoE block, head: four blocks for ZeRO-3 to gather in turn."""
+
+    def __init__(self, layout: Layout | None):
+        super().__init__()
+        cfg = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=2)
+        ep_group = None if layout is None else layout.ep_group
+        dp_group = None if layout is None else layout.dp_group
+        self.inp = nn.Linear(D, D)
+        self.layers = nn.ModuleList([
+            Block(nn.Sequential(nn.Linear(D, F), nn.GELU(), nn.Linear(F, D))),
+            Block(MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)),
+        ])
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x_BTD):
+        h = self.inp(x_BTD)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def reference_net() -> TinyNet:
+    torch.manual_seed(0)
+    return TinyNet(None)
+
+
+def sharded_net(layout: Layout) -> TinyNet:
+    """The reference weights, with this ep rank's slice of the experts."""
+    net = TinyNet(layout)
+    ref = dict(reference_net().named_parameters())
+    L = E // layout.ep
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            src = ref[n]
+            if is_expert_param(p):
+                src = src[layout.ep_rank * L : (layout.ep_rank + 1) * L]
+            p.copy_(src)
+    return net
+
+
+def batches(accum: int, dp: int):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS, accum, dp * B_PER_RANK, SEQ, D, generator=g)
+    y = torch.randn(STEPS, accum, dp * B_PER_RANK, SEQ, 1, generator=g)
+    return x, y
+
+
+def run_reference(accum: int, clip: float | None, dp: int):
+    """One process, the same global batch and micro-batches, torch.optim.AdamW."""
+    net = reference_net()
+    scale_aux_losses(net, 1.0 / accum)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    x, y = batches(accum, dp)
+    losses = []
+    for s in range(STEPS):
+        total = 0.0
+        for m in range(accum):
+            loss = ((net(x[s, m]) - y[s, m]) ** 2).mean() / accum
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, **kw):
+    net = sharded_net(layout)
+    scale_aux_losses(net, 1.0 / accum)
+    engine = ZeroEngine(net, layout, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=clip, **kw)
+    x, y = batches(accum, layout.dp)
+    rows = slice(layout.dp_rank * B_PER_RANK, (layout.dp_rank + 1) * B_PER_RANK)
+    losses = []
+    for s in range(STEPS):
+        total = torch.zeros(())
+        for m in range(accum):
+            last = m == accum - 1
+            with (engine.no_sync() if not last else _nullcontext()):
+                loss = ((engine(x[s, m, rows]) - y[s, m, rows]) ** 2).mean() / accum
+                engine.backward(loss)
+            total += loss.detach()
+        engine.step()
+        if layout.dp_group is not None:
+            dist.all_reduce(total, group=layout.dp_group)
+        losses.append(total.item() / layout.dp)
+    params = engine.full_parameters()
+    return losses, params, dict(engine.gather_stats), engine
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _compare(ref, got, layout: Layout):
+    """(max relative loss error, max absolute weight error) of one engine run against the reference."""
+    ref_losses, ref_params = ref
+    losses, params = got
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    L = E // layout.ep
+    w_err = 0.0
+    for n, p in params.items():
+        want = ref_params[n]
+        if p.shape != want.shape:  # an expert weight: this rank's ep slice
+            want = want[layout.ep_rank * L : (layout.ep_rank + 1) * L]
+        w_err = max(w_err, (p - want).abs().max().item())
+    return loss_err, w_err
+
+
+# (stage, accum, clip) for every ep, plus configurations that only need to run once
+_VARIANTS = [(1, None), (2, CLIP)]
+
+
+def _equivalence_rank(rank, world, eps):
+    out = {}
+    refs = {(accum, clip): run_reference(accum, clip, world) for accum, clip in _VARIANTS}
+    for ep in eps:
+        layout = Layout.build(ep=ep, num_experts=E)
+        for stage in (0, 1, 2, 3):
+            for accum, clip in _VARIANTS:
+                losses, params, stats, _ = run_engine(layout, stage, accum, clip)
+                out[("plain", ep, stage, accum, clip)] = (_compare(refs[(accum, clip)], (losses, params), layout), stats)
+                if stage >= 1 and accum == 2 and ep == eps[-1]:
+                    # offload must change where the optimizer runs, not a single bit of the result
+                    losses_o, params_o, _, _ = run_engine(layout, stage, accum, clip, offload=True)
+                    same = losses_o == losses and all(torch.equal(params_o[n], params[n]) for n in params)
+                    out[("offload_same", ep, stage)] = same
+        if world == 4 and ep == eps[-1]:
+            for stage, kw in ((3, {"keep_gathered_across_microbatches": True}), (3, {"prefetch": False})):
+                losses, params, stats, _ = run_engine(layout, stage, 2, CLIP, **kw)
+                out[("extra", ep, stage, tuple(kw))] = (_compare(refs[(2, CLIP)], (losses, params), layout), stats)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results_dp4():
+    return run_distributed(_equivalence_rank, 4, (1, 2), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def results_dp2():
+    return run_distributed(_equivalence_rank, 2, (2,), timeout=300)
+
+
+def _check_all(results):
+    checked = 0
+    for out in results:
+        for key, value in out.items():
+            if key[0] in ("plain", "extra"):
+                (loss_err, w_err), _ = value
+                assert loss_err < LOSS_RTOL, (key, loss_err)
+                assert w_err < PARAM_ATOL, (key, w_err)
+                checked += 1
+    return checked
+
+
+def test_stages_match_adamw_dp4_with_and_without_ep(results_dp4):
+    # includes ZeRO-3 with ep=2 inside dp=4 (edp=2), with accumulation and clipping
+    assert ("plain", 2, 3, 2, CLIP) in results_dp4[0]
+    assert _check_all(results_dp4) == 4 * (2 * 4 * 2 + 2)
+
+
+def test_stages_match_adamw_dp2_ep2(results_dp2):
+    # ep == dp: experts are not replicated (edp=1), only dense weights shard
+    assert _check_all(results_dp2) == 2 * 4 * 2
+
+
+def test_offload_equals_no_offload(results_dp4, results_dp2):
+    for results in (results_dp4, results_dp2):
+        flags = [v for out in results for k, v in out.items() if k[0] == "offload_same"]
+        assert len(flags) == 3 * len(results) and all(flags)
+
+
+def test_stage3_holds_at_most_two_gathered_blocks(results_dp4):
+    for out in results_dp4:
+        for key, (_, stats) in ((k, v) for k, v in out.items() if k[0] in ("plain", "extra") and k[2] == 3):
+            if key[0] == "extra" and "keep_gathered_across_microbatches" in key[3]:
+                continue  # keeps every block by request
+            # one block computing plus the one being prefetched
+            assert 1 <= stats["max_gathered_blocks"] <= 2, (key, stats)
+            # 4 blocks, gathered for forward and again for backward, every micro-batch
+            accum = key[3] if key[0] == "plain" else 2
+            assert stats["gathers"] >= 2 * 4 * accum * STEPS - 4, (key, stats)
+            if key[0] == "plain" or "prefetch" not in key[3]:
+                assert stats["prefetches"] > 0, (key, stats)
+            else:
+                assert stats["prefetches"] == 0, (key, stats)
+
+
+@pytest.fixture
+def one_thread():
+    # the tiny single-process runs are dominated by op overhead; two threads on the two shared
+    # cores only contend with the other processes on the machine
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_single_process_path_matches_adamw(one_thread):
+    # layout None: the reference path itself, every stage, with accumulation and clipping
+    ref = run_reference(2, CLIP, 1)
+    layout = Layout.single()
+    for stage in (0, 1, 2, 3):
+        losses, params, _, _ = run_engine(layout, stage, 2, CLIP)
+        loss_err, w_err = _compare(ref, (losses, params), layout)
+        assert loss_err < LOSS_RTOL and w_err < PARAM_ATOL, (stage, loss_err, w_err)
+
+
+def test_shard_metadata_names_every_slice():
+    net = reference_net()
+    engine = ZeroEngine(net, None, stage=3)
+    meta = engine.shard_metadata()
+    names = {s.name for m in meta for s in m["params"]}
+    assert names == {n for n, _ in net.named_parameters()}
+    for m in meta:
+        covered = sum(s.param_range[1] - s.param_range[0] for s in m["params"])
+        assert covered == m["flat_numel"]
+        for s in m["params"]:
+            if "experts" in s.name:
+                assert s.expert_offset == 0 and s.global_shape[0] == E
+
+
+def test_bad_arguments_raise_before_any_collective():
+    net = reference_net()
+    with pytest.raises(ValueError, match="stage=4"):
+        ZeroEngine(net, None, stage=4)
+    with pytest.raises(ValueError, match="mixed_precision='fp16'"):
+        ZeroEngine(net, None, mixed_precision="fp16")
+    with pytest.raises(ValueError, match="max_grad_norm=0"):
+        ZeroEngine(net, None, max_grad_norm=0)
+    with pytest.raises(ValueError, match="must not nest"):
+        ZeroEngine(net, None, blocks=[net.layers[0], net.layers[0].ffn])
+    with pytest.raises(ValueError, match="keep_gathered_across_microbatches"):
+        ZeroEngine(net, None, stage=2, keep_gathered_across_microbatches=True)
+    assert [type(b).__name__ for b in default_blocks(net)] == ["Linear", "Block", "Block", "Linear"]

@@ -1,0 +1,261 @@
+"""Flat parameter groups: parameters laid end to end in one buffer, padded, and this rank's shard.
+
+Legend: N real elements of the group, W ranks in its sharding group (``dp`` for dense parameters,
+``edp`` for expert parameters), P = N rounded up to a multiple of W, S = P / W elements per shard.
+Rank w owns the flat slice ``[w * S, (w + 1) * S)``; the padding is zero in weights, gradients and
+moments, so it never changes a norm or an update.
+
+Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
+- ``full_P``: the compute weights (compute dtype); every parameter's ``.data`` is a view into it.
+  Under stage 3 its storage is resized to zero between uses and refilled by an all-gather.
+- ``shard_S``: stage 3's own slice of the compute weights, kept between uses.
+- ``grad_full_P``: local gradients, summed over the micro-batches of a step (no communication in
+  between); stages 2-3 free it once it has been reduce-scattered.
+- ``grad_shard_S``: the summed gradient of this rank's slice (stages 2-3).
+- ``master_S`` / ``exp_avg_S`` / ``exp_avg_sq_S``: fp32 optimizer state on the optimizer device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe.comm import group_rank, group_size
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    # all_gather_single replaces all_gather_into_tensor in newer torch; keep both working
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _is_allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().size() > 0
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """Which part of one parameter a rank's shard holds (ARCHITECTURE.md contract 6).
+
+    ``shape`` is the tensor this process holds; ``global_shape`` the parameter of the whole model
+    (for experts, dimension 0 runs over all E experts and this process holds
+    ``[expert_offset, expert_offset + shape[0])``). ``param_range`` is the held range of the
+    parameter's flattened elements, ``shard_range`` where those elements sit in the shard buffer.
+    """
+
+    name: str
+    shape: tuple
+    global_shape: tuple
+    expert_offset: int | None
+    param_range: tuple[int, int]
+    shard_range: tuple[int, int]
+
+
+class FlatGroup:
+    """One unit's dense or expert parameters as a flat buffer sharded over ``group``."""
+
+    def __init__(self, names, params, kind: str, group, *, stage: int, compute_dtype, opt_device, offload: bool, expert_info: dict):
+        self.names = list(names)
+        self.params = list(params)
+        self.kind = kind  # "dense" or "expert"
+        self.group = group
+        self.stage = stage
+        self.world = group_size(group)
+        self.rank = group_rank(group)
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        self.padded = -(-self.numel // self.world) * self.world
+        self.shard_numel = self.padded // self.world
+        self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        self.compute_dtype = compute_dtype
+        self.device = self.params[0].device
+        self.opt_device = opt_device
+        self.offload = offload
+        self.expert_info = expert_info  # name -> (expert_offset, num_global_experts)
+        self.written = [False] * len(self.params)  # which gradient slices hold this step's values
+        self.grad_full_P: torch.Tensor | None = None
+        self.grad_shard_S: torch.Tensor | None = None
+        self.gather_handle = None
+
+    # ----- set-up -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def build(self, sync_src_global_rank: int | None) -> None:
+        """Lay the parameters into the flat buffer, make them views of it, create the optimizer state."""
+        full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+        master_src_P = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            master_src_P[off : off + n].copy_(p.detach().reshape(-1))
+        if sync_src_global_rank is not None and self.world > 1:
+            # every replica starts from the same weights, as DDP and FSDP's sync_module_states do
+            dist.broadcast(master_src_P, src=sync_src_global_rank, group=self.group)
+        full_P.copy_(master_src_P)
+        self.full_P = full_P
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = full_P[off : off + n].view(shape)
+        opt_lo, opt_hi = self.opt_range
+        # fp32 compute on the optimizer's device: the compute slice itself is the master copy
+        self.separate_master = self.compute_dtype != torch.float32 or self.offload
+        if self.stage == 3 and self.world > 1:
+            self.shard_S = full_P[self.lo : self.hi].clone()
+            _free(full_P)
+            own = self.shard_S
+        else:
+            self.shard_S = None
+            own = full_P[opt_lo:opt_hi]
+        self.own_compute = own  # the compute weights the optimizer writes
+        if self.separate_master:
+            pin = self.offload and torch.cuda.is_available()
+            self.master = torch.empty(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
+            self.master.copy_(master_src_P[opt_lo:opt_hi])
+        else:
+            self.master = own
+        pin = self.offload and torch.cuda.is_available()
+        self.exp_avg = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
+        self.exp_avg_sq = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
+        if self.stage == 1:
+            self.grad_full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+        elif self.stage == 0:
+            self.grad_full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+
+    @property
+    def opt_range(self) -> tuple[int, int]:
+        # stage 0 replicates the optimizer: every rank updates the whole flat
+        return (0, self.padded) if self.stage == 0 else (self.lo, self.hi)
+
+    # ----- stage 3: gather and free -------------------------------------------------------------
+    @property
+    def sharded_params(self) -> bool:
+        return self.stage == 3 and self.world > 1
+
+    def is_gathered(self) -> bool:
+        return not self.sharded_params or _is_allocated(self.full_P)
+
+    def start_gather(self) -> None:
+        if self.is_gathered() or self.gather_handle is not None:
+            return
+        self.full_P.untyped_storage().resize_(self.padded * self.full_P.element_size())
+        self.gather_handle = all_gather_flat(self.full_P, self.shard_S, self.group, async_op=True)
+
+    def wait_gather(self) -> None:
+        if self.gather_handle is None:
+            self.start_gather()
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+
+    def free_params(self) -> None:
+        if self.sharded_params:
+            if self.gather_handle is not None:  # a prefetch nobody used: finish it before freeing
+                self.gather_handle.wait()
+                self.gather_handle = None
+            _free(self.full_P)
+
+    # ----- gradients ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's fresh local gradient into the flat gradient buffer."""
+        if self.grad_full_P is None:
+            self.grad_full_P = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
+            self.grad_full_P[self.numel :].zero_()
+        off, n = self.offsets[index], self.numels[index]
+        dst = self.grad_full_P[off : off + n]
+        if self.written[index]:
+            dst.add_(grad.reshape(-1))
+        else:  # the first gradient of a step overwrites: no separate zeroing pass
+            dst.copy_(grad.reshape(-1))
+            self.written[index] = True
+
+    @torch.no_grad()
+    def _complete_local_grads(self) -> None:
+        if self.grad_full_P is None:
+            self.grad_full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+        for i, w in enumerate(self.written):
+            if not w:  # a parameter this rank did not use still takes part in the reduction
+                off, n = self.offsets[i], self.numels[i]
+                self.grad_full_P[off : off + n].zero_()
+                self.written[i] = True
+
+    @torch.no_grad()
+    def launch_reduce(self):
+        """Start the gradient reduction (summed over the group; the 1/dp is applied by the step)."""
+        self._complete_local_grads()
+        if self.world == 1:
+            return None
+        if self.stage == 0:
+            return dist.all_reduce(self.grad_full_P, group=self.group, async_op=True)
+        if self.grad_shard_S is None:
+            self.grad_shard_S = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        return reduce_scatter_flat(self.grad_shard_S, self.grad_full_P, self.group, async_op=True)
+
+    @torch.no_grad()
+    def finish_reduce(self) -> None:
+        """After the reduction: keep what the stage keeps."""
+        if self.stage >= 1 and self.world == 1:
+            # nothing to scatter: the whole local buffer is this rank's shard
+            if self.stage >= 2:
+                self.grad_shard_S = self.grad_full_P
+                self.grad_full_P = None
+        elif self.stage == 1:
+            # stage 1 keeps full-size gradient storage (that is what it does not save); the reduced
+            # shard goes back into it so no second shard-size buffer lives on
+            self.grad_full_P[self.lo : self.hi].copy_(self.grad_shard_S)
+            self.grad_shard_S = None
+        elif self.stage >= 2:
+            self.grad_full_P = None
+        self.written = [False] * len(self.params)
+
+    def reduced_grad(self) -> torch.Tensor:
+        """The summed gradient of the slice this rank's optimizer updates."""
+        if self.stage == 0:
+            return self.grad_full_P
+        if self.stage == 1:
+            return self.grad_full_P[self.lo : self.hi] if self.world > 1 else self.grad_full_P
+        return self.grad_shard_S
+
+    def norm_slice(self) -> torch.Tensor:
+        """This rank's disjoint part of the reduced gradient, for a norm that counts each element once."""
+        if self.stage == 0:
+            return self.grad_full_P[self.lo : self.hi]
+        return self.reduced_grad()
+
+    def discard_grads(self) -> None:
+        self.written = [False] * len(self.params)
+        if self.stage >= 2:
+            self.grad_full_P = None
+
+    # ----- after the optimizer ------------------------------------------------------------------
+    @torch.no_grad()
+    def launch_param_gather(self):
+        """Stages 1-2: every rank's updated slice back into everyone's full weights."""
+        if self.stage in (1, 2) and self.world > 1:
+            # a copy: the input of an all-gather must not alias its output
+            mine_S = self.full_P[self.lo : self.hi].clone()
+            return all_gather_flat(self.full_P, mine_S, self.group, async_op=True)
+        return None
+
+    # ----- metadata -----------------------------------------------------------------------------
+    def metadata(self) -> list[ParamSlice]:
+        opt_lo, opt_hi = self.opt_range
+        out = []
+        for name, shape, off, n in zip(self.names, self.shapes, self.offsets, self.numels):
+            a, b = max(off, opt_lo), min(off + n, opt_hi)
+            if a >= b:
+                continue
+            expert_offset, num_global = self.expert_info.get(name, (None, None))
+            global_shape = shape if expert_offset is None else (num_global,) + tuple(shape[1:])
+            out.append(ParamSlice(name, shape, global_shape, expert_offset, (a - off, b - off), (a - opt_lo, b - opt_lo)))
+        return out
