@@ -95,8 +95,9 @@ def _routing_metadata_launch(expert_ids_TK: torch.Tensor, num_experts: int, bloc
     dev = ids_A.device
     E = num_experts
     E_PAD = triton.next_power_of_2(E)
-    # the one-hot tile is BLOCK_A x E_PAD; ~16k int32 lanes keeps it in registers for any E
-    BLOCK_A = block_a or max(16, min(1024, 16384 // E_PAD))
+    # the one-hot tile is E_PAD x BLOCK_A; 4k int32 lanes (32 per thread) stay in registers
+    # (16k spilled on sm_90), and more blocks only lengthen the cheap per-expert scan
+    BLOCK_A = block_a or max(16, min(1024, 4096 // E_PAD))
     NB = max(1, triton.cdiv(A, BLOCK_A))
     BLOCK_B = block_b or min(1024, triton.next_power_of_2(NB))
     dest_A = torch.empty(A, dtype=torch.int64, device=dev)

@@ -107,8 +107,8 @@ def test_routing_metadata_across_blocks(dtype):
 
 
 def test_routing_metadata_many_experts_and_no_tokens():
-    # E = 300 pads to 512 columns and shrinks the assignment block to 32, so 200 assignments span
-    # 7 blocks with the default sizes
+    # E = 300 pads to 512 columns and shrinks the assignment block to 16, so 200 assignments span
+    # 13 blocks with the default sizes
     ids_TK = _ids(100, 2, 300, drop=0.05, seed=4)
     for g, w in zip(rk.routing_metadata(ids_TK, 300), ref.routing_metadata(ids_TK, 300)):
         assert torch.equal(g, w)
