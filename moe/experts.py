@@ -6,9 +6,11 @@ Parameter layout (ARCHITECTURE.md contract 2): ``w1 [E, D, F]`` gate, ``w3 [E, D
 ``w2 [E, F, D]`` down; SwiGLU is ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]``, GELU is
 ``gelu(x @ w1[e]) @ w2[e]``.
 
-The forward and backward are written by hand: per-expert matmuls write straight into slices of one
-buffer, the elementwise work runs once over all rows, and only the two pre-activations are saved.
-That keeps the layer close to the machine's matmul rate instead of paying autograd's copies.
+The forward and backward are written by hand, one row block of one expert at a time: matmuls write
+straight into slices of the output buffers, the elementwise work (activation, its gradient, via
+aten's fused ``silu_backward``/``gelu_backward``) runs on a small scratch buffer that is still in
+cache, and only the pre-activations are saved. A fresh [rows, F] temporary per elementwise step
+would cost a pass over memory plus, above glibc's 32 MB mmap threshold, a page fault per 4 KB.
 """
 from __future__ import annotations
 
@@ -19,53 +21,63 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def _segments(counts: list[int]):
+# rows per block of an expert's segment: the [block, F] elementwise work (activation, its
+# gradient) stays in L2/L3 between the matmuls that produce and consume it, while the matmuls stay
+# large enough for the BLAS to run at its full rate
+_ROW_BLOCK = 1024
+
+
+def _blocks(counts: list[int]):
+    """``(expert, first row, end row, first block of this expert?)`` over non-empty segments."""
+    block = _ROW_BLOCK  # read per call, so tests can shrink it to reach the multi-block path
     start = 0
     for e, n in enumerate(counts):
-        if n:
-            yield e, start, start + n
+        for a in range(start, start + n, block):
+            yield e, a, min(a + block, start + n), a == start
         start += n
 
 
-def _grouped_mm(x_SD: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    out = x_SD.new_empty(x_SD.shape[0], w_EDF.shape[2])
-    for e, a, b in _segments(counts):
-        torch.mm(x_SD[a:b], w_EDF[e], out=out[a:b])
-    return out
+def _mm_into(out, a, b, accumulate: bool):
+    # weight gradients of an expert split over several row blocks add up in place
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
 
 
-def _grouped_mm_t(g_SF: torch.Tensor, w_EDF: torch.Tensor, counts: list[int], out=None, accumulate=False):
-    # g @ w[e]^T per segment; accumulate adds into ``out`` (the second branch of SwiGLU's dx)
-    if out is None:
-        out = g_SF.new_empty(g_SF.shape[0], w_EDF.shape[1])
-    for e, a, b in _segments(counts):
-        if accumulate:
-            out[a:b].addmm_(g_SF[a:b], w_EDF[e].t())
-        else:
-            torch.mm(g_SF[a:b], w_EDF[e].t(), out=out[a:b])
-    return out
+def _zero_empty(grad_E, counts: list[int]):
+    # an expert with no rows gets an exact zero gradient (its slice was never written)
+    for e, n in enumerate(counts):
+        if n == 0:
+            grad_E[e].zero_()
+    return grad_E
 
 
-def _grouped_wgrad(x_SD: torch.Tensor, g_SF: torch.Tensor, counts: list[int], like: torch.Tensor) -> torch.Tensor:
-    # dW[e] = x[e]^T @ g[e]; an expert with no rows gets an exact zero gradient
-    grad = torch.zeros_like(like)
-    for e, a, b in _segments(counts):
-        torch.mm(x_SD[a:b].t(), g_SF[a:b], out=grad[e])
-    return grad
-
-
-def _silu_and_grad(h):
-    s = torch.sigmoid(h)
-    return h * s, s * (1 + h * (1 - s))
+_silu_out = torch.ops.aten.silu.out
+_silu_backward_out = torch.ops.aten.silu_backward.grad_input  # grad * dsilu(h) in one pass
+_gelu_out = torch.ops.aten.gelu.out
+_gelu_backward_out = torch.ops.aten.gelu_backward.grad_input
 
 
 class _SwiGLUExperts(torch.autograd.Function):
+    """Per block: h1 = x w1, h3 = x w3 (both saved), act = silu(h1) * h3 in a scratch buffer,
+    y = act w2. The backward recomputes act block by block from h1, h3 instead of saving it."""
+
     @staticmethod
     def forward(ctx, x_SD, w1, w3, w2, counts):
-        h1_SF = _grouped_mm(x_SD, w1, counts)
-        h3_SF = _grouped_mm(x_SD, w3, counts)
-        act_SF = F.silu(h1_SF).mul_(h3_SF)
-        y_SD = _grouped_mm(act_SF, w2, counts)
+        S, Fdim = x_SD.shape[0], w1.shape[2]
+        h1_SF = x_SD.new_empty(S, Fdim)
+        h3_SF = x_SD.new_empty(S, Fdim)
+        y_SD = x_SD.new_empty(S, w2.shape[2])
+        act_BF = x_SD.new_empty(min(S, _ROW_BLOCK), Fdim)
+        for e, a, b, _ in _blocks(counts):
+            x = x_SD[a:b]
+            h1, h3, act = h1_SF[a:b], h3_SF[a:b], act_BF[: b - a]
+            torch.mm(x, w1[e], out=h1)
+            torch.mm(x, w3[e], out=h3)
+            _silu_out(h1, out=act)
+            act.mul_(h3)
+            torch.mm(act, w2[e], out=y_SD[a:b])
         ctx.save_for_backward(x_SD, w1, w3, w2, h1_SF, h3_SF)
         ctx.counts = counts
         return y_SD
@@ -75,25 +87,48 @@ class _SwiGLUExperts(torch.autograd.Function):
         x_SD, w1, w3, w2, h1_SF, h3_SF = ctx.saved_tensors
         counts = ctx.counts
         g_SD = g_SD.contiguous()
-        silu_SF, dsilu_SF = _silu_and_grad(h1_SF)
-        dact_SF = _grouped_mm_t(g_SD, w2, counts)
-        dw2 = _grouped_wgrad(silu_SF * h3_SF, g_SD, counts, w2)
-        dh3_SF = dact_SF * silu_SF
-        dh1_SF = dact_SF.mul_(h3_SF).mul_(dsilu_SF)
-        dw1 = _grouped_wgrad(x_SD, dh1_SF, counts, w1)
-        dw3 = _grouped_wgrad(x_SD, dh3_SF, counts, w3)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = _grouped_mm_t(dh1_SF, w1, counts)
-            _grouped_mm_t(dh3_SF, w3, counts, out=dx, accumulate=True)
-        return dx, dw1, dw3, dw2, None
+        S, Fdim = h1_SF.shape
+        dw1, dw3, dw2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)
+        need_dx = ctx.needs_input_grad[0]
+        dx_SD = torch.empty_like(x_SD) if need_dx else None
+        # three [block, F] scratch buffers, reused by every block
+        rows = min(S, _ROW_BLOCK)
+        buf_a, buf_b, buf_c = (h1_SF.new_empty(rows, Fdim) for _ in range(3))
+        for e, a, b, first in _blocks(counts):
+            n = b - a
+            x, g, h1, h3 = x_SD[a:b], g_SD[a:b], h1_SF[a:b], h3_SF[a:b]
+            dact, silu, tmp = buf_a[:n], buf_b[:n], buf_c[:n]
+            torch.mm(g, w2[e].t(), out=dact)  # dL/d act
+            _silu_out(h1, out=silu)
+            torch.mul(silu, h3, out=tmp)  # act
+            _mm_into(dw2[e], tmp.t(), g, not first)
+            torch.mul(dact, silu, out=tmp)  # dh3 = dact * silu(h1)
+            dact.mul_(h3)
+            _silu_backward_out(dact, h1, grad_input=silu)  # dh1 = dact * h3 * silu'(h1)
+            dh1, dh3 = silu, tmp
+            _mm_into(dw1[e], x.t(), dh1, not first)
+            _mm_into(dw3[e], x.t(), dh3, not first)
+            if need_dx:
+                dx = dx_SD[a:b]
+                torch.mm(dh1, w1[e].t(), out=dx)
+                dx.addmm_(dh3, w3[e].t())
+        for grad in (dw1, dw3, dw2):
+            _zero_empty(grad, counts)
+        return dx_SD, dw1, dw3, dw2, None
 
 
 class _GeluExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, w1, w2, counts):
-        h_SF = _grouped_mm(x_SD, w1, counts)
-        y_SD = _grouped_mm(F.gelu(h_SF), w2, counts)
+        S, Fdim = x_SD.shape[0], w1.shape[2]
+        h_SF = x_SD.new_empty(S, Fdim)
+        y_SD = x_SD.new_empty(S, w2.shape[2])
+        act_BF = x_SD.new_empty(min(S, _ROW_BLOCK), Fdim)
+        for e, a, b, _ in _blocks(counts):
+            h, act = h_SF[a:b], act_BF[: b - a]
+            torch.mm(x_SD[a:b], w1[e], out=h)
+            _gelu_out(h, out=act)
+            torch.mm(act, w2[e], out=y_SD[a:b])
         ctx.save_for_backward(x_SD, w1, w2, h_SF)
         ctx.counts = counts
         return y_SD
@@ -103,15 +138,26 @@ class _GeluExperts(torch.autograd.Function):
         x_SD, w1, w2, h_SF = ctx.saved_tensors
         counts = ctx.counts
         g_SD = g_SD.contiguous()
-        with torch.enable_grad():
-            h = h_SF.detach().requires_grad_(True)
-            act = F.gelu(h)
-        dw2 = _grouped_wgrad(act.detach(), g_SD, counts, w2)
-        dact_SF = _grouped_mm_t(g_SD, w2, counts)
-        (dh_SF,) = torch.autograd.grad(act, h, dact_SF)
-        dw1 = _grouped_wgrad(x_SD, dh_SF, counts, w1)
-        dx = _grouped_mm_t(dh_SF, w1, counts) if ctx.needs_input_grad[0] else None
-        return dx, dw1, dw2, None
+        S, Fdim = h_SF.shape
+        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        need_dx = ctx.needs_input_grad[0]
+        dx_SD = torch.empty_like(x_SD) if need_dx else None
+        rows = min(S, _ROW_BLOCK)
+        buf_a, buf_b = (h_SF.new_empty(rows, Fdim) for _ in range(2))
+        for e, a, b, first in _blocks(counts):
+            n = b - a
+            x, g, h = x_SD[a:b], g_SD[a:b], h_SF[a:b]
+            dact, act = buf_a[:n], buf_b[:n]
+            _gelu_out(h, out=act)
+            _mm_into(dw2[e], act.t(), g, not first)
+            torch.mm(g, w2[e].t(), out=dact)
+            _gelu_backward_out(dact, h, grad_input=act)  # dh, over act's buffer
+            _mm_into(dw1[e], x.t(), act, not first)
+            if need_dx:
+                torch.mm(act, w1[e].t(), out=dx_SD[a:b])
+        for grad in (dw1, dw2):
+            _zero_empty(grad, counts)
+        return dx_SD, dw1, dw2, None
 
 
 class GroupedExperts(nn.Module):

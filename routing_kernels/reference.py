@@ -71,36 +71,60 @@ def permute(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.T
     return _Permute.apply(x_TD, dest_TK, num_rows)
 
 
+# tokens per block of the combine: the [block, K, D] gather stays in cache instead of a [T, K, D]
+# temporary (100 MB at T=8192, K=6, D=512) whose fresh pages alone cost as much as the combine
+_COMBINE_BLOCK_T = 256
+
+
+def _combine_rows(y_SD, index_TK, w_TK, out_TD):
+    """``out[t] = sum_k w[t, k] * y[index[t, k]]``, block by block over tokens."""
+    T, K = index_TK.shape
+    D = y_SD.shape[1]
+    for t0 in range(0, T, _COMBINE_BLOCK_T):
+        t1 = min(t0 + _COMBINE_BLOCK_T, T)
+        rows_BKD = y_SD.index_select(0, index_TK[t0:t1].reshape(-1)).view(t1 - t0, K, D)
+        # [B,1,K] @ [B,K,D]: one batched pass instead of K weighted adds
+        torch.bmm(w_TK[t0:t1].unsqueeze(1), rows_BKD, out=out_TD[t0:t1].unsqueeze(1))
+    return out_TD
+
+
 class _UnpermuteCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_SD, dest_TK, weights_TK):
+        T, K = dest_TK.shape
         valid_TK = dest_TK >= 0
+        # a dropped slot reads row 0 with weight 0 (rows from the experts are finite)
         w_TK = torch.where(valid_TK, weights_TK, torch.zeros_like(weights_TK)).to(y_SD.dtype)
-        rows_TKD = y_SD.index_select(0, dest_TK.clamp(min=0).reshape(-1)).view(*dest_TK.shape, -1)
+        index_TK = dest_TK.clamp(min=0).long()
         ctx.save_for_backward(y_SD, dest_TK, w_TK)
         ctx.weights_dtype = weights_TK.dtype
-        # [T,1,K] @ [T,K,D]: one batched pass instead of K weighted adds
-        return torch.bmm(w_TK.unsqueeze(1), rows_TKD).squeeze(1)
+        out_TD = y_SD.new_empty(T, y_SD.shape[1])
+        if y_SD.shape[0] == 0:  # nothing kept (or no tokens): every token gets zeros
+            return out_TD.zero_()
+        return _combine_rows(y_SD, index_TK, w_TK, out_TD)
 
     @staticmethod
     def backward(ctx, grad_TD):
         y_SD, dest_TK, w_TK = ctx.saved_tensors
         T, K = dest_TK.shape
-        grad_TD = grad_TD.contiguous()
+        S = y_SD.shape[0]
         flat = dest_TK.reshape(-1)
         valid = flat >= 0
+        kept = flat[valid]
+        # each kept row has exactly one source (t, k), so the scatter is a gather
+        src_S = source_tokens(dest_TK, S)
+        grad_SD = grad_TD.contiguous().index_select(0, src_S)  # dL/d(w * y), row by row
         grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            # each kept row has exactly one source (t, k), so the scatter is a gather
-            src_S = source_tokens(dest_TK, y_SD.shape[0])
-            w_S = torch.empty(y_SD.shape[0], dtype=w_TK.dtype, device=w_TK.device)
-            w_S[flat[valid]] = w_TK.reshape(-1)[valid]
-            grad_y = grad_TD.index_select(0, src_S) * w_S.unsqueeze(1)
         if ctx.needs_input_grad[2]:
-            rows_TKD = y_SD.index_select(0, dest_TK.clamp(min=0).reshape(-1)).view(T, K, -1)
-            grad_w = torch.bmm(rows_TKD, grad_TD.unsqueeze(2)).squeeze(2)
-            grad_w = torch.where(dest_TK >= 0, grad_w, torch.zeros_like(grad_w))
-            grad_w = grad_w.to(ctx.weights_dtype)
+            # dL/dw[t,k] = <y[dest[t,k]], grad[t]>, taken in expert order before grad_SD is scaled
+            dot_S = torch.bmm(y_SD.unsqueeze(1), grad_SD.unsqueeze(2)).view(S)
+            grad_w = torch.zeros(T * K, dtype=ctx.weights_dtype, device=y_SD.device)
+            grad_w[valid] = dot_S[kept].to(ctx.weights_dtype)
+            grad_w = grad_w.view(T, K)
+        if ctx.needs_input_grad[0]:
+            w_S = torch.empty(S, dtype=w_TK.dtype, device=w_TK.device)
+            w_S[kept] = w_TK.reshape(-1)[valid]
+            grad_y = grad_SD.mul_(w_S.unsqueeze(1))  # in place: no second [S, D] buffer
         return grad_y, None, grad_w
 
 
