@@ -26,15 +26,18 @@ def _set_interpret(value):
     return previous
 
 
-# Triton picks the interpreter when the kernels are decorated (when triton_ops is first imported)
-# and reads the variable again while launching, so it is set around that import and again for the
-# duration of this module's tests (fixture below), and restored in between so that it does not leak
-# into other test modules of the same session.
+# Triton picks the interpreter when a function is decorated, which happens for its own library
+# functions at `import triton`, and reads the variable again while launching. So it is set around
+# the first import and again for the duration of this module's tests (fixture below), and restored
+# in between so that it does not leak into other test modules of the same session. If triton was
+# imported earlier in this process without it, the interpreter cannot be switched on any more: then
+# the tests run in a fresh interpreter process instead (test_in_fresh_process).
 _previous = _set_interpret("1")
 try:
     triton_ops = importlib.import_module("routing_kernels.triton_ops")
-    if not triton_ops.INTERPRETED:  # imported earlier without the interpreter
-        triton_ops = importlib.reload(triton_ops)
+    import triton.language.standard as _tl_standard
+
+    IN_PROCESS = triton_ops.INTERPRETED and type(_tl_standard.sum).__name__ == "InterpretedFunction"
 finally:
     _set_interpret(_previous)
 
@@ -56,7 +59,9 @@ def _interpreter():
 
 
 @pytest.fixture(autouse=True)
-def _triton_backend():
+def _triton_backend(request):
+    if not IN_PROCESS and request.node.originalname != "test_in_fresh_process":
+        pytest.skip("triton was imported earlier without TRITON_INTERPRET=1; test_in_fresh_process runs this")
     torch.manual_seed(0)  # data does not depend on which tests ran before
     with rk.use_backend("triton"):
         yield
@@ -223,6 +228,29 @@ def test_permute_then_combine_round_trip():
     assert torch.equal(gx, torch.arange(270.0).view(27, 10))
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_moe_layer_through_triton_path(capacity_factor):
+    # the whole layer (metadata, permute, experts, combine; with capacity drops: -1 slots) gives the
+    # same output and gradients on the Triton path as on the reference path
+    from moe import MoEConfig, MoELayer
+
+    cfg = MoEConfig(d_model=12, d_ff=10, num_experts=5, top_k=2, capacity_factor=capacity_factor)
+    layer = MoELayer(cfg)
+    x = torch.randn(2, 9, 12)
+    results = {}
+    for backend in ("reference", "triton"):
+        with rk.use_backend(backend):
+            xb = x.clone().requires_grad_()
+            out = layer(xb)
+            grads = torch.autograd.grad(out.square().sum(), [xb, *layer.parameters()])
+        results[backend] = (out.detach(), grads)
+    if capacity_factor is not None:
+        assert layer.stats.dropped_fraction > 0  # the dropped path was exercised
+    torch.testing.assert_close(results["triton"][0], results["reference"][0], **TOL[torch.float32])
+    for a, b in zip(results["triton"][1], results["reference"][1]):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
 def test_launchers_reject_bad_inputs():
     dest_TK, S = _route(8, 2, 3, 0.0, None)
     with pytest.raises(ValueError, match="dest_TK"):
@@ -351,3 +379,13 @@ def test_imports_stay_light():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
+def test_in_fresh_process():
+    # this module's tests, run where triton is first imported with the interpreter on
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+                            capture_output=True, text=True, cwd=root, env=env)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
