@@ -19,11 +19,25 @@ from .experts import GroupedExperts
 
 
 class LocalDispatcher:
-    """All experts live in this process."""
+    """All experts live in this process.
+
+    ``fused``: run permute, experts and combine as one pass per row block
+    (``GroupedExperts.forward_tokens``), which never builds the expert-ordered [S, D] buffers; the
+    default (None) does so on the CPU unless the Triton backend is forced, and uses the separate
+    kernels (``routing_kernels``) on CUDA.
+    """
+
+    def __init__(self, fused: bool | None = None):
+        self.fused = fused
 
     def __call__(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         counts_E, offsets_E1, dest_TK = rk.routing_metadata(expert_ids_TK, experts.num_local)
         counts = counts_E.tolist()
+        fused = self.fused
+        if fused is None:
+            fused = x_TD.device.type == "cpu" and rk.get_backend() != "triton"
+        if fused:
+            return experts.forward_tokens(x_TD, dest_TK, weights_TK, counts)
         x_SD = rk.permute(x_TD, dest_TK, sum(counts))
         y_SD = experts(x_SD, counts)
         return rk.unpermute_combine(y_SD, dest_TK, weights_TK.to(y_SD.dtype))

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import routing_kernels as rk
+
 
 # rows per block of an expert's segment: the [block, F] elementwise work (activation, its
 # gradient) stays in L2/L3 between the matmuls that produce and consume it, while the matmuls stay
@@ -160,6 +162,121 @@ class _GeluExperts(torch.autograd.Function):
         return dx_SD, dw1, dw2, None
 
 
+class _FusedTokenExperts(torch.autograd.Function):
+    """permute -> experts -> unpermute_combine as one pass per row block (the CPU path).
+
+    Each block gathers its token rows into a scratch buffer, runs the expert, scales by the
+    combine weights and adds into the token-ordered output; the backward gathers the output
+    gradient the same way and adds the input gradient back by token. So no [S, D] buffer exists
+    (rows in expert order, their outputs, their gradients): at S = 49152, D = 512 each would be
+    100 MB of fresh, page-faulting memory. The combine-weight gradient ``<y_s, g_t>`` is taken as
+    ``<act_s, g_t @ w2^T>``, both of which the backward has in cache, so y is never stored.
+    Only h1 (and h3) are saved, as in ``_SwiGLUExperts``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, w1, w3, w2, dest_TK, counts):
+        T, D = x_TD.shape
+        S, Fdim = sum(counts), w1.shape[2]
+        swiglu = w3 is not None
+        flat = dest_TK.reshape(-1)
+        valid = flat >= 0
+        kept = flat[valid]
+        src_S = rk.source_tokens(dest_TK, S)
+        w_S = torch.empty(S, dtype=x_TD.dtype, device=x_TD.device)  # combine weights in row order
+        w_S[kept] = weights_TK.reshape(-1)[valid].to(x_TD.dtype)
+        h1_SF = x_TD.new_empty(S, Fdim)
+        h3_SF = x_TD.new_empty(S, Fdim) if swiglu else None
+        out_TD = x_TD.new_zeros(T, D)
+        rows = min(S, _ROW_BLOCK)
+        x_BD, y_BD, act_BF = x_TD.new_empty(rows, D), x_TD.new_empty(rows, D), x_TD.new_empty(rows, Fdim)
+        for e, a, b, _ in _blocks(counts):
+            n = b - a
+            src = src_S[a:b]
+            x, y, act, h1 = x_BD[:n], y_BD[:n], act_BF[:n], h1_SF[a:b]
+            torch.index_select(x_TD, 0, src, out=x)
+            torch.mm(x, w1[e], out=h1)
+            if swiglu:
+                torch.mm(x, w3[e], out=h3_SF[a:b])
+                _silu_out(h1, out=act)
+                act.mul_(h3_SF[a:b])
+            else:
+                _gelu_out(h1, out=act)
+            torch.mm(act, w2[e], out=y)
+            y.mul_(w_S[a:b].unsqueeze(1))
+            # a token appears at most once per expert, so the rows of one block never collide
+            out_TD.index_add_(0, src, y)
+        ctx.save_for_backward(x_TD, w1, w3, w2, h1_SF, h3_SF, src_S, w_S, dest_TK)
+        ctx.counts = counts
+        ctx.weights_dtype = weights_TK.dtype
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        x_TD, w1, w3, w2, h1_SF, h3_SF, src_S, w_S, dest_TK = ctx.saved_tensors
+        counts = ctx.counts
+        swiglu = w3 is not None
+        grad_TD = grad_TD.contiguous()
+        T, D = x_TD.shape
+        S, Fdim = h1_SF.shape
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx_TD = torch.zeros_like(x_TD) if need_x else None
+        dw_S = x_TD.new_empty(S) if need_w else None  # dL/d combine weight, row order
+        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        dw3 = torch.empty_like(w3) if swiglu else None
+        rows = min(S, _ROW_BLOCK)
+        g_BD, dx_BD = x_TD.new_empty(rows, D), x_TD.new_empty(rows, D)
+        buf_a, buf_b, buf_c = (x_TD.new_empty(rows, Fdim) for _ in range(3))
+        for e, a, b, first in _blocks(counts):
+            n = b - a
+            src = src_S[a:b]
+            g, h1 = g_BD[:n], h1_SF[a:b]
+            dact, silu, act = buf_a[:n], buf_b[:n], buf_c[:n]
+            torch.index_select(grad_TD, 0, src, out=g)  # dL/d(w * y) of each row
+            torch.mm(g, w2[e].t(), out=dact)  # dL/d act, per unit weight
+            if swiglu:
+                h3 = h3_SF[a:b]
+                _silu_out(h1, out=silu)
+                torch.mul(silu, h3, out=act)
+            else:
+                _gelu_out(h1, out=act)
+            if need_w:
+                torch.bmm(act.unsqueeze(1), dact.unsqueeze(2), out=dw_S[a:b].view(n, 1, 1))
+            w = w_S[a:b].unsqueeze(1)
+            g.mul_(w)
+            dact.mul_(w)
+            _mm_into(dw2[e], act.t(), g, not first)
+            x = torch.index_select(x_TD, 0, src, out=g)  # g is spent: reuse it for the inputs
+            if swiglu:
+                torch.mul(dact, silu, out=act)  # dh3
+                dact.mul_(h3)
+                _silu_backward_out(dact, h1, grad_input=silu)  # dh1
+                dh1, dh3 = silu, act
+            else:
+                _gelu_backward_out(dact, h1, grad_input=act)
+                dh1 = act
+            _mm_into(dw1[e], x.t(), dh1, not first)
+            if swiglu:
+                _mm_into(dw3[e], x.t(), dh3, not first)
+            if need_x:
+                dx = dx_BD[:n]
+                torch.mm(dh1, w1[e].t(), out=dx)
+                if swiglu:
+                    dx.addmm_(dh3, w3[e].t())
+                dx_TD.index_add_(0, src, dx)
+        for grad in (dw1, dw3, dw2):
+            if grad is not None:
+                _zero_empty(grad, counts)
+        grad_w = None
+        if need_w:
+            flat = dest_TK.reshape(-1)
+            valid = flat >= 0
+            grad_w = torch.zeros(flat.numel(), dtype=ctx.weights_dtype, device=x_TD.device)
+            grad_w[valid] = dw_S[flat[valid]].to(ctx.weights_dtype)
+            grad_w = grad_w.view(dest_TK.shape)
+        return dx_TD, grad_w, dw1, dw3, dw2, None, None
+
+
 class GroupedExperts(nn.Module):
     """``num_local`` experts; with expert parallelism this rank holds global experts
     ``[expert_offset, expert_offset + num_local)`` of ``num_global``."""
@@ -194,6 +311,14 @@ class GroupedExperts(nn.Module):
         if self.activation == "swiglu":
             return _SwiGLUExperts.apply(x_SD, self.w1, self.w3, self.w2, counts)
         return _GeluExperts.apply(x_SD, self.w1, self.w2, counts)
+
+    def forward_tokens(self, x_TD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``unpermute_combine(self(permute(x_TD)), dest_TK, weights_TK)`` in one pass per row block,
+        without the expert-ordered [S, D] buffers; ``dest_TK`` and ``counts`` as from
+        ``routing_metadata``. The CPU path of the local dispatcher."""
+        if len(counts) != self.num_local:
+            raise ValueError(f"got {len(counts)} segment counts for {self.num_local} local experts")
+        return _FusedTokenExperts.apply(x_TD.contiguous(), weights_TK, self.w1, self.w3, self.w2, dest_TK, counts)
 
 
 class DenseFFN(nn.Module):

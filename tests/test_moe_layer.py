@@ -144,8 +144,9 @@ def test_matches_naive_bf16(name):
     check_against_naive(layer, torch.randn(shape).bfloat16(), torch.bfloat16, name)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("name", ["odd", "gelu_shared", "capacity_probs"])
-def test_matches_naive_in_small_blocks(name, monkeypatch):
+def test_matches_naive_in_small_blocks(name, fused, monkeypatch):
     # the experts and the combine work block by block (rows of one expert, tokens); tiny blocks make
     # segments span several blocks, ragged last ones included, with weight gradients accumulated
     import moe.experts
@@ -155,8 +156,37 @@ def test_matches_naive_in_small_blocks(name, monkeypatch):
     monkeypatch.setattr(routing_kernels.reference, "_COMBINE_BLOCK_T", 4)
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
+    layer.dispatcher = moe.LocalDispatcher(fused=fused)
     torch.manual_seed(1)
     check_against_naive(layer, torch.randn(shape), torch.float32, name)
+
+
+@pytest.mark.parametrize("name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position", "expert_choice"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_dispatch_matches_naive(name, dtype):
+    # on the CPU the layer fuses permute/experts/combine; the separate ops (routing_kernels
+    # permute and unpermute_combine around GroupedExperts) are what CUDA and expert parallelism use
+    shape, kw = CASES[name]
+    layer = make(no_aux(d_model=shape[-1], **kw), dtype=dtype)
+    layer.dispatcher = moe.LocalDispatcher(fused=False)
+    torch.manual_seed(1)
+    check_against_naive(layer, torch.randn(shape).to(dtype), dtype, name)
+
+
+def test_fused_and_unfused_agree():
+    cfg = no_aux(d_model=24, d_ff=40, num_experts=7, top_k=3, capacity_factor=0.8)
+    fused = make(cfg)
+    fused.dispatcher = moe.LocalDispatcher(fused=True)
+    unfused = copy.deepcopy(fused)
+    unfused.dispatcher = moe.LocalDispatcher(fused=False)
+    torch.manual_seed(13)
+    x, g = torch.randn(50, 24), torch.randn(50, 24)
+    a, b = run_layer(fused, x, g), run_layer(unfused, x, g)
+    # same products, summed in another order (per block vs per token): fp32 rounding only
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6)
+    for n in a[2]:
+        torch.testing.assert_close(a[2][n], b[2][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_all_tokens_to_one_expert():
