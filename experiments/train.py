@@ -12,6 +12,7 @@ Legend: B sequences, L sequence length, V vocabulary.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -147,9 +148,11 @@ def _device(cfg: DictConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layout | None = None) -> dict:
+def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layout | None = None, data: LMData | None = None) -> dict:
     """Train per ``cfg``; rank 0 writes ``metrics.jsonl`` and ``summary.json`` into ``run_dir`` (when
-    given) and returns the summary dict (other ranks return it too, without writing)."""
+    given) and returns the summary dict (other ranks return it too, without writing). ``layout``
+    and ``data`` default to what ``cfg.parallel`` and ``cfg.data`` build; a driver running many
+    configs on one corpus passes ``data`` to load it once."""
     layout = layout or build_layout(cfg.parallel)
     _check_train_cfg(cfg, layout)
     zero.check_same_on_all_ranks(OmegaConf.to_yaml(cfg, resolve=True), "config")  # before any other collective
@@ -160,7 +163,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     if run_dir is not None and rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    data = build_data(cfg.data, seed=cfg.seed)
+    data = build_data(cfg.data, seed=cfg.seed) if data is None else dataclasses.replace(data, seed=cfg.seed)
     if data.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"data vocabulary {data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
