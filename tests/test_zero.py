@@ -20,6 +20,7 @@ import torch.nn as nn
 from moe import MoEConfig, MoELayer, is_expert_param, scale_aux_losses
 from tests.dist_utils import run_distributed
 from zero import Layout
+import zero.engine as zero_engine
 from zero.engine import ZeroEngine, default_blocks
 
 D, F, E, STEPS, LR, WD = 16, 24, 4, 20, 1e-2, 0.1
@@ -270,12 +271,14 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
-def test_single_process_path_matches_adamw(one_thread):
-    # layout None: the reference path itself, every stage, with accumulation and clipping
+def test_single_process_path_matches_adamw(one_thread, monkeypatch):
+    # layout None: the reference path itself, every stage, with accumulation and clipping; a
+    # prime-sized Adam chunk so the CPU update's chunk boundaries cut through every parameter
+    monkeypatch.setattr(zero_engine, "_CPU_ADAM_CHUNK", 97)
     ref = run_reference(2, CLIP, 1)
     layout = Layout.single()
     for stage in (0, 1, 2, 3):
-        losses, params, _, _ = run_engine(layout, stage, 2, CLIP)
+        losses, params, _, _ = run_engine(layout, stage, 2, CLIP, offload=stage == 2)
         loss_err, w_err = _compare(ref, (losses, params), layout)
         assert loss_err < LOSS_RTOL and w_err < PARAM_ATOL, (stage, loss_err, w_err)
 

@@ -57,6 +57,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # stage 3 holds the block that computes plus the one being prefetched, never more
 _MAX_GATHERED = 2
+_CPU_ADAM_CHUNK = 1 << 16  # elements: 256 KiB of fp32 per operand, within a core's L2
 
 
 def _in_backward() -> bool:
@@ -292,10 +293,18 @@ class ZeroEngine:
             grad = f.reduced_grad()
             if grad.device != f.master.device:
                 grad = grad.to(f.master.device, dtype=torch.float32)
-            routing_kernels.fused_adamw(
-                f.master, grad, f.exp_avg, f.exp_avg_sq, step=self.step_count, lr=self.lr, beta1=b1, beta2=b2,
-                eps=self.eps, weight_decay=self.weight_decay, grad_scale=grad_scale,
-                param_copy=f.own_compute if f.separate_master else None)
+            copy = f.own_compute if f.separate_master else None
+            n = f.master.numel()
+            # on the CPU the update runs over cache-sized chunks: the reference's temporaries then
+            # stay small and in cache instead of costing fresh pages each step (~2x faster here);
+            # a GPU kernel gets the whole shard in one launch
+            chunk = _CPU_ADAM_CHUNK if f.master.device.type == "cpu" else n
+            for a in range(0, n, chunk):
+                b = min(a + chunk, n)
+                routing_kernels.fused_adamw(
+                    f.master[a:b], grad[a:b], f.exp_avg[a:b], f.exp_avg_sq[a:b], step=self.step_count, lr=self.lr,
+                    beta1=b1, beta2=b2, eps=self.eps, weight_decay=self.weight_decay, grad_scale=grad_scale,
+                    param_copy=None if copy is None else copy[a:b])
         handles = [h for h in (f.launch_param_gather() for f in self.flats) if h is not None]
         for h in handles:
             h.wait()

@@ -197,6 +197,10 @@ class FlatGroup:
             return None
         if self.stage == 0:
             return dist.all_reduce(self.grad_full_P, group=self.group, async_op=True)
+        if self.stage == 1:
+            # in place into this rank's slice of the full buffer (NCCL's documented in-place form,
+            # recvbuff = sendbuff + rank * count; gloo copies its input first): no second buffer
+            return reduce_scatter_flat(self.grad_full_P[self.lo : self.hi], self.grad_full_P, self.group, async_op=True)
         if self.grad_shard_S is None:
             self.grad_shard_S = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
         return reduce_scatter_flat(self.grad_shard_S, self.grad_full_P, self.group, async_op=True)
@@ -209,11 +213,6 @@ class FlatGroup:
             if self.stage >= 2:
                 self.grad_shard_S = self.grad_full_P
                 self.grad_full_P = None
-        elif self.stage == 1:
-            # stage 1 keeps full-size gradient storage (that is what it does not save); the reduced
-            # shard goes back into it so no second shard-size buffer lives on
-            self.grad_full_P[self.lo : self.hi].copy_(self.grad_shard_S)
-            self.grad_shard_S = None
         elif self.stage >= 2:
             self.grad_full_P = None
         self.written = [False] * len(self.params)
@@ -242,9 +241,8 @@ class FlatGroup:
     def launch_param_gather(self):
         """Stages 1-2: every rank's updated slice back into everyone's full weights."""
         if self.stage in (1, 2) and self.world > 1:
-            # a copy: the input of an all-gather must not alias its output
-            mine_S = self.full_P[self.lo : self.hi].clone()
-            return all_gather_flat(self.full_P, mine_S, self.group, async_op=True)
+            # in place: the input is this rank's slice of the output, as NCCL documents
+            return all_gather_flat(self.full_P, self.full_P[self.lo : self.hi], self.group, async_op=True)
         return None
 
     # ----- metadata -----------------------------------------------------------------------------
