@@ -176,7 +176,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default of returning large freed blocks to the OS")
-XX, default=CONTENDERS[1:], help="DDP always runs: it is the baseline")
+    ap.add_argument("--contenders", nargs="+", default=CONTENDERS[1:], help="DDP always runs: it is the baseline")
     args = ap.parse_args(argv)
     if not args.system_malloc:
         # glibc returns every freed block over ~32 MB to the OS, and the next allocation of it pays a
