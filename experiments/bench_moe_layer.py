@@ -73,50 +73,56 @@ def layer_step(layer, x_TD, grad_TD):
 
 
 def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps: int) -> dict:
-    """Seconds per phase, each phase timed on its own with the layer's own components.
+    """Seconds per phase, each timed on its own with the layer's own components.
 
-    ``backward`` is the whole backward pass of the layer; ``experts_bwd`` is the part of it spent in
-    the grouped experts. The phases are timed separately, so their sum differs a little from the
-    layer time (no cross-phase cache reuse, plus the stats/loss work counted under ``router``).
+    Forward: ``router`` (scores, top-k, weights), ``metadata`` (counts, destination rows, the one
+    ``tolist``), then the three steps as separate ops, as CUDA and expert parallelism run them
+    (``permute``, ``experts``, ``unpermute``), and ``fused_fwd``, the one-pass version the CPU
+    layer runs instead. ``forward`` and ``backward`` are the whole layer's; ``fused_bwd`` is the
+    backward of the fused step alone (routed experts, their gather and weighted scatter), so
+    ``backward - fused_bwd`` is the router, losses and the rest.
     """
     experts = layer.experts
-    phases = {}
+    ph = {}
     with torch.no_grad():
         routing = layer.router(x_TD)
         ids_TK, w_TK = routing.expert_ids_TK, routing.weights_TK
-        phases["router"] = _median_time(lambda: layer.router(x_TD), reps)
-        phases["metadata"] = _median_time(lambda: (rk.routing_metadata(ids_TK, experts.num_local)[0].tolist()), reps)
+        ph["router"] = _median_time(lambda: layer.router(x_TD), reps)
+        ph["metadata"] = _median_time(lambda: rk.routing_metadata(ids_TK, experts.num_local)[0].tolist(), reps)
         counts_E, _, dest_TK = rk.routing_metadata(ids_TK, experts.num_local)
         counts = counts_E.tolist()
         S = sum(counts)
-        phases["permute"] = _median_time(lambda: rk.permute(x_TD, dest_TK, S), reps)
+        ph["permute"] = _median_time(lambda: rk.permute(x_TD, dest_TK, S), reps)
         x_SD = rk.permute(x_TD, dest_TK, S)
-        phases["experts"] = _median_time(lambda: experts(x_SD, counts), reps)
+        ph["experts"] = _median_time(lambda: experts(x_SD, counts), reps)
         y_SD = experts(x_SD, counts)
-        phases["unpermute"] = _median_time(lambda: rk.unpermute_combine(y_SD, dest_TK, w_TK), reps)
+        ph["unpermute"] = _median_time(lambda: rk.unpermute_combine(y_SD, dest_TK, w_TK), reps)
+        ph["fused_fwd"] = _median_time(lambda: experts.forward_tokens(x_TD, dest_TK, w_TK, counts), reps)
 
-    # backward of the grouped experts alone
-    x_req = x_SD.detach().requires_grad_(True)
-    g_SD = torch.randn_like(y_SD)
+    w_req = w_TK.detach().requires_grad_(True)
 
-    def experts_bwd_only():
-        y = experts(x_req, counts)
-        torch.autograd.grad(y, [x_req, *experts.parameters()], g_SD)
-
-    t_both = _median_time(experts_bwd_only, reps)
-    phases["experts_bwd"] = max(t_both - phases["experts"], 0.0)
-
-    def full_bwd():
-        for p in layer.parameters():
-            p.grad = None
-        out = layer(x_TD)
+    def fused_fwd_bwd():
+        out = experts.forward_tokens(x_TD, dest_TK, w_req, counts)
         t0 = time.perf_counter()
-        out.backward(grad_TD)
+        torch.autograd.grad(out, [x_TD, w_req, *experts.parameters()], grad_TD)
         return time.perf_counter() - t0
 
-    full_bwd()
-    phases["backward"] = statistics.median(full_bwd() for _ in range(reps))
-    return phases
+    fused_fwd_bwd()
+    ph["fused_bwd"] = statistics.median(fused_fwd_bwd() for _ in range(reps))
+
+    def layer_fwd_bwd():
+        for p in layer.parameters():
+            p.grad = None
+        t0 = time.perf_counter()
+        out = layer(x_TD)
+        t1 = time.perf_counter()
+        out.backward(grad_TD)
+        return t1 - t0, time.perf_counter() - t1
+
+    layer_fwd_bwd()
+    fwd, bwd = zip(*(layer_fwd_bwd() for _ in range(reps)))
+    ph["forward"], ph["backward"] = statistics.median(fwd), statistics.median(bwd)
+    return ph
 
 
 def main(argv=None):

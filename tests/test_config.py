@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from moe import MoEConfig
+from tests.naive import one_thread  # noqa: F401  (autouse fixture)
 
 BASE = dict(d_model=16, d_ff=32)
 

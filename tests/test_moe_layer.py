@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 import moe
 from moe import MoEConfig, MoELayer
-from tests.naive import (
+from tests.naive import (  # one_thread: an autouse fixture
+    one_thread,  # noqa: F401
     naive_capacity_keep,
     naive_expert_choice,
     naive_moe,
