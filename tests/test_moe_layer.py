@@ -402,8 +402,10 @@ def test_expert_bias_selects_but_does_not_weight():
 # --- activation checkpointing -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_activation_checkpointing_counts_once(reentrant):
+@pytest.mark.parametrize("reentrant,early_stop", [(True, True), (False, True), (False, False)])
+def test_activation_checkpointing_counts_once(reentrant, early_stop):
+    # non-reentrant recompute normally stops after the last saved tensor, before the statistics;
+    # early_stop=False makes it re-run the whole forward, statistics included
     cfg = MoEConfig(d_model=16, d_ff=20, num_experts=5, top_k=2, aux_loss_coef=0.1, z_loss_coef=0.01, seq_aux_loss_coef=0.05, expert_bias=True)
     layer = make(cfg)
     layer.train()
@@ -417,8 +419,9 @@ def test_activation_checkpointing_counts_once(reentrant):
     ck.load_since_update.zero_()
     ck.zero_grad(set_to_none=True)
     xc = x.clone().requires_grad_(True)
-    out_c = checkpoint(ck, xc, use_reentrant=reentrant)
-    out_c.backward(g)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        out_c = checkpoint(ck, xc, use_reentrant=reentrant)
+        out_c.backward(g)
     assert torch.equal(out_c.detach(), out)
     torch.testing.assert_close(xc.grad, gx, rtol=0, atol=0)
     for name, p in ck.named_parameters():
