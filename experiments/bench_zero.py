@@ -1,14 +1,14 @@
 """Switchyard ZeRO stages 1-3 against torch DDP and torch FSDP2 (``fully_shard``), in one launch.
 
-    python -m experiments.bench_zero [--world 2] [--steps 6] [--rounds 2]
+    python -m experiments.bench_zero [--world 2] [--steps 10] [--contenders FSDP2 1 2 3]
 
 Every contender trains the same residual MLP (default 12.6M parameters: 6 blocks of
 Linear(512, 2048) -> GELU -> Linear(2048, 512)) with AdamW in fp32 on the same per-rank batch.
 Reported per contender: the median step time (forward, backward, gradient communication, AdamW)
 as a ratio to DDP's, and model-state bytes per rank measured from the live tensors after a step
 (weights + gradients + optimizer state; ZeRO-3 adds the most gathered-block bytes seen during the
-forward). The contenders run in turn, ``--rounds`` times, and each keeps its best round's median,
-so a burst of load from another process on a shared machine hits one round, not one contender.
+forward). The contenders are built side by side and take turns step by step, each reporting its
+median, so load from other processes on a shared machine falls on all of them alike.
 Runs on gloo (CPU) or NCCL (GPU); imports no hydra or wandb.
 """
 from __future__ import annotations
@@ -138,27 +138,28 @@ def _run(rank, world, port, args, out_q):
         return step, lambda: measure_memory(engine)["device_total"] + peak["gathered"]
 
     names = [n for n in CONTENDERS if n in args.contenders or n == "DDP"]
-    best = {n: float("inf") for n in names}
-    mem = {}
-    for _ in range(args.rounds):
-        for name in names:
-            step, state_bytes = make(name)
-            for _ in range(args.warmup):
-                step()
-            times = []
-            for _ in range(args.steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            # the slowest rank sets the step time
-            med = torch.tensor(statistics.median(times))
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)
-            best[name] = min(best[name], med.item())
-            mem[name] = state_bytes()
-            del step
+    # contenders take turns step by step, so a burst of load from another process on a shared
+    # machine slows every contender's samples alike instead of one contender's whole run
+    contenders = {name: make(name) for name in names}
+    for name, (step, _) in contenders.items():
+        for _ in range(args.warmup):
+            step()
+    times = {name: [] for name in names}
+    for _ in range(args.steps):
+        for name, (step, _) in contenders.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    best, mem = {}, {}
+    for name in names:
+        # the slowest rank sets the step time
+        med = torch.tensor(statistics.median(times[name]))
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        best[name] = med.item()
+        mem[name] = contenders[name][1]()
     if rank == 0:
         n_params = sum(p.numel() for p in fresh().parameters())
         out_q.put((n_params, best, mem))
@@ -172,9 +173,8 @@ def main(argv=None):
     ap.add_argument("--d-ff", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=256, help="rows per rank per step")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default of returning large freed blocks to the OS")
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS[1:], help="DDP always runs: it is the baseline")
     args = ap.parse_args(argv)
@@ -195,7 +195,7 @@ def main(argv=None):
     n_params, best, mem = q.get()
     ddp = best["DDP"]
     print(f"{n_params / 1e6:.1f}M-parameter MLP, {args.world} ranks ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
-          f"{args.tokens} rows/rank, fp32 AdamW; median of {args.steps} steps, best of {args.rounds} rounds"
+          f"{args.tokens} rows/rank, fp32 AdamW; median of {args.steps} interleaved steps"
           f"{', system malloc' if args.system_malloc else ''}")
     print("| contender | step (ms) | vs DDP | model states / rank (MB) |")
     print("|---|---|---|---|")

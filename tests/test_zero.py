@@ -309,4 +309,7 @@ def test_bad_arguments_raise_before_any_collective():
         ZeroEngine(net, None, blocks=[net.layers[0], net.layers[0].ffn])
     with pytest.raises(ValueError, match="keep_gathered_across_microbatches"):
         ZeroEngine(net, None, stage=2, keep_gathered_across_microbatches=True)
+    engine = ZeroEngine(net, None, stage=1)
+    with pytest.raises(RuntimeError, match="no gradients"):
+        engine.step()
     assert [type(b).__name__ for b in default_blocks(net)] == ["Linear", "Block", "Block", "Linear"]

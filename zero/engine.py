@@ -230,6 +230,7 @@ class ZeroEngine:
         self._bwd_queue: list[_Unit] = []  # reduction order of the current backward
         self._backward_open = False  # a backward has started and not yet been finished
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
+        self._reduced = False  # reduced gradients wait for step()
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._root_post_forward)]
         for u in self.units:
@@ -271,6 +272,7 @@ class ZeroEngine:
         for f in self.flats:
             f.discard_grads()
         self._unreduced = False
+        self._reduced = False
 
     @torch.no_grad()
     def step(self) -> float | None:
@@ -280,6 +282,9 @@ class ZeroEngine:
             self._finish_backward()
         if self._unreduced:  # every backward of this step ran under no_sync: reduce now
             self._reduce_all()
+        if not self._reduced:
+            raise RuntimeError("step() found no gradients: run a backward pass since the last step() or zero_grad()")
+        self._reduced = False
         dp = self.layout.dp
         grad_scale = 1.0 / dp
         norm = None
@@ -518,6 +523,7 @@ class ZeroEngine:
                 f.finish_reduce()
             u.handles, u.launched, u.ready, u.arrived = [], False, False, 0
         self._unreduced = False
+        self._reduced = True
 
     def _global_grad_norm(self) -> float:
         # each rank's norm slices are disjoint: dense over dp, expert slices over edp and distinct
