@@ -101,40 +101,38 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
 
-        lse_T = torch.logsumexp(routing.logits_TE.detach(), dim=-1)
-        z_sum = lse_T.square().sum()
+        z_loss = router_z_loss(routing.logits_TE)  # one logsumexp serves the loss and its statistic
         entropy_sum = routing_entropy(routing.probs_TE.detach()) * T
-        # one all-reduce carries every global statistic: routed counts, tokens, dropped, prob sums
+        # one all-reduce carries every global statistic: routed counts, tokens, dropped, prob sums,
+        # and no host sync on the way (no .item(), no boolean-mask indexing)
         E = cfg.num_experts
         K = routing.selected_TK.shape[1]
-        selected = routing.selected_TK.reshape(-1)
-        selected = selected[selected >= 0]
-        local_counts_E = torch.bincount(selected, minlength=E)
+        # slot ids shifted by one so a -1 (a slot no expert took, expert choice) lands in bin 0
+        local_counts_E = torch.zeros(E + 1, dtype=torch.float64, device=x.device)
+        local_counts_E.scatter_add_(0, routing.selected_TK.reshape(-1) + 1, torch.ones(routing.selected_TK.numel(), dtype=torch.float64, device=x.device))
         packed = torch.cat([
-            local_counts_E.double(),
-            torch.tensor([T, float(routing.num_dropped)], dtype=torch.float64, device=x.device),
+            local_counts_E[1:],
+            torch.full((1,), float(T), dtype=torch.float64, device=x.device),
+            routing.num_dropped.reshape(1).double(),
             routing.probs_TE.detach().sum(0).double(),
-            torch.stack([z_sum, entropy_sum]).double(),
+            (z_loss.detach() * T).reshape(1).double(),
+            entropy_sum.reshape(1).double(),
         ])
         all_reduce_sum(packed, self.dp_group)
         counts_E = packed[:E]
-        T_global = max(int(packed[E].item()), 1)
+        T_global = packed[E].clamp(min=1.0)
         dropped = packed[E + 1]
 
         zero = routing.logits_TE.sum() * 0.0
         lb_loss = lb_value = zero
         if cfg.router == "token_choice":
-            lb_loss = load_balancing_loss(routing.probs_TE, counts_E.float(), K, T_global)
-            if T == 0:
-                lb_loss = zero
+            lb_loss = zero if T == 0 else load_balancing_loss(routing.probs_TE, counts_E.float(), K, T_global.float())
             P_global = (packed[E + 2 : 2 * E + 2] / T_global).float()
-            lb_value = E * torch.dot(counts_E.float() / (K * T_global), P_global)
+            lb_value = E * torch.dot((counts_E / (K * T_global)).float(), P_global)
         seq_loss = zero
         if cfg.seq_aux_loss_coef > 0 and cfg.router == "token_choice" and T > 0:
             seq_len = shape[-2] if len(shape) >= 3 else T
             seq_loss = sequence_load_balancing_loss(routing.probs_TE.view(-1, seq_len, E), routing.selected_TK.view(-1, seq_len, K))
-        z_loss = router_z_loss(routing.logits_TE)
-
         aux = zero
         if cfg.aux_loss_coef > 0:
             aux = aux + cfg.aux_loss_coef * lb_loss
