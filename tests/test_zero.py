@@ -62,15 +62,34 @@ class TinyNet(nn.Module):
         return self.head(h)
 
 
-def reference_net() -> TinyNet:
+class TiedNet(nn.Module):
+    """The input and output projections share one weight (as tied embeddings do): under stage 3 it
+    must stay gathered while either runs."""
+
+    def __init__(self, layout=None):
+        super().__init__()
+        self.inp = nn.Linear(D, D, bias=False)
+        self.layers = nn.ModuleList([Block(nn.Sequential(nn.Linear(D, F), nn.GELU(), nn.Linear(F, D)))])
+        self.out = nn.Linear(D, D, bias=False)
+        self.out.weight = self.inp.weight
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x_BTD):
+        return self.head(self.out(self.layers[0](self.inp(x_BTD))))
+
+
+NET = {"tiny": TinyNet, "tied": TiedNet}
+
+
+def reference_net(kind: str = "tiny") -> nn.Module:
     torch.manual_seed(0)
-    return TinyNet(None)
+    return NET[kind](None)
 
 
-def sharded_net(layout: Layout) -> TinyNet:
+def sharded_net(layout: Layout, kind: str = "tiny") -> nn.Module:
     """The reference weights, with this ep rank's slice of the experts."""
-    net = TinyNet(layout)
-    ref = dict(reference_net().named_parameters())
+    net = NET[kind](layout)
+    ref = dict(reference_net(kind).named_parameters())
     L = E // layout.ep
     with torch.no_grad():
         for n, p in net.named_parameters():
@@ -88,11 +107,14 @@ def batches(accum: int, dp: int):
     return x, y
 
 
-def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS):
+def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, kind: str = "tiny"):
     """One process, the same global batch and micro-batches, torch.optim.AdamW."""
-    net = reference_net()
+    net = reference_net(kind)
     scale_aux_losses(net, 1.0 / accum)
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    # matrices decay, norm gains and biases do not (the trainer's grouping)
+    groups = [{"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": WD},
+              {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR)
     x, y = batches(accum, dp)
     losses = []
     for s in range(steps):
@@ -109,10 +131,11 @@ def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS):
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
-def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps: int = STEPS, **kw):
-    net = sharded_net(layout)
+def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps: int = STEPS, kind: str = "tiny", **kw):
+    net = sharded_net(layout, kind)
     scale_aux_losses(net, 1.0 / accum)
-    engine = ZeroEngine(net, layout, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=clip, **kw)
+    engine = ZeroEngine(net, layout, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=clip,
+                        weight_decay_filter=lambda name, p: p.dim() >= 2, **kw)
     x, y = batches(accum, layout.dp)
     rows = slice(layout.dp_rank * B_PER_RANK, (layout.dp_rank + 1) * B_PER_RANK)
     losses = []
@@ -186,6 +209,9 @@ def _equivalence_rank(rank, world):
         losses_o, params_o, _, _ = run_engine(layout, stage, 2, CLIP, steps=OFFLOAD_STEPS, offload=True)
         out[("offload_same", offload_ep, stage)] = losses_o == losses and all(torch.equal(params_o[n], params[n]) for n in params)
     if world == 2:
+        # a weight shared by two blocks, sharded and gathered under stage 3
+        losses, params, stats, _ = run_engine(layout, 3, 2, CLIP, kind="tied")
+        out[("extra", offload_ep, 3, ("tied",))] = (_compare(run_reference(2, CLIP, world, kind="tied"), (losses, params), layout), stats)
         # bf16 compute weights and gradients, fp32 master weights and moments
         for stage in (2, 3):
             losses, _, _, engine = run_engine(layout, stage, 2, CLIP, steps=BF16_STEPS, mixed_precision="bf16")
@@ -228,7 +254,7 @@ def test_stages_match_adamw_dp4_with_and_without_ep(results_dp4):
 
 def test_stages_match_adamw_dp2_ep2(results_dp2):
     # ep == dp: experts are not replicated (edp=1), only dense weights shard
-    assert _check_all(results_dp2) == 2 * 4
+    assert _check_all(results_dp2) == 2 * (4 + 1)
 
 
 def test_bf16_mixed_precision_tracks_fp32(results_dp2):
@@ -312,4 +338,8 @@ def test_bad_arguments_raise_before_any_collective():
     engine = ZeroEngine(net, None, stage=1)
     with pytest.raises(RuntimeError, match="no gradients"):
         engine.step()
+    x = torch.randn(2, SEQ, D)
+    engine.backward(engine(x).mean())
+    with pytest.raises(RuntimeError, match="second backward outside no_sync"):
+        engine.backward(engine(x).mean())
     assert [type(b).__name__ for b in default_blocks(net)] == ["Linear", "Block", "Block", "Linear"]

@@ -114,13 +114,16 @@ class ZeroEngine:
     per optimizer step and keep it until the step, for pipeline stages that run several micro-batches
     through the same weights. ``prefetch`` (stage 3): start the next block's gather early.
     ``sync_module_states``: broadcast the weights from the first rank of each group at start-up.
+    ``weight_decay_filter(name, param) -> bool``: which parameters decay (default all, as
+    ``torch.optim.AdamW`` with one group); e.g. ``lambda n, p: p.dim() >= 2`` spares norm gains and biases.
+    ``lr`` may be reassigned between steps (``engine.lr = schedule(step)``).
     """
 
     def __init__(self, model: nn.Module, layout: Layout | None = None, *, stage: int = 0, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: float | None = None, offload: bool = False, mixed_precision: str = "fp32",
                  blocks: list[nn.Module] | None = None, keep_gathered_across_microbatches: bool = False,
-                 prefetch: bool = True, sync_module_states: bool = True):
+                 prefetch: bool = True, sync_module_states: bool = True, weight_decay_filter=None):
         # every check happens before the first collective, so a bad value stops each rank alike
         if not isinstance(model, nn.Module):
             raise ValueError(f"model={type(model).__name__} must be a torch.nn.Module")
@@ -164,6 +167,7 @@ class ZeroEngine:
                 if sub is not b and sub in block_set:
                     raise ValueError(f"block {module_names[sub]!r} lies inside block {module_names[b]!r}; blocks must not nest")
 
+        decays = (lambda n, p: True) if weight_decay_filter is None else weight_decay_filter
         self.module = model
         self.layout = layout if layout is not None else Layout.single()
         self.stage = stage
@@ -177,7 +181,7 @@ class ZeroEngine:
         self.device = next(iter(devices))
         self.opt_device = torch.device("cpu") if offload else self.device
         self.step_count = 0
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None  # what the last step() returned
         # instrumentation: stage 3 gathers and the most blocks (root excluded) gathered at once
         self.gather_stats = {"gathers": 0, "prefetches": 0, "max_gathered_blocks": 0}
 
@@ -190,7 +194,9 @@ class ZeroEngine:
         owner = {}
         for b in blocks:
             for p in b.parameters():
-                owner.setdefault(p, b)
+                # a parameter shared by two blocks (tied embeddings) must stay gathered while either
+                # runs: it goes to the root unit, gathered for the whole forward and backward
+                owner[p] = None if p in owner and owner[p] is not b else b
         per_unit: dict = {b: [] for b in blocks}
         per_unit[None] = []
         for n, p in named:
@@ -206,9 +212,13 @@ class ZeroEngine:
                 chosen = [(n, p) for n, p in items if is_expert_param(p) == (kind == "expert")]
                 if not chosen:
                     continue
+                # decayed parameters first: any shard of the flat is then one decayed range and one
+                # undecayed range, two calls of the fused update
+                chosen.sort(key=lambda np_: not decays(*np_))
                 f = FlatGroup([n for n, _ in chosen], [p for _, p in chosen], kind, group, stage=stage,
                               compute_dtype=self.compute_dtype, opt_device=self.opt_device, offload=offload,
                               expert_info=expert_info)
+                f.decay_end = sum(p.numel() for n, p in chosen if decays(n, p))  # flat offset where decay stops
                 f.build(src if sync_module_states else None)
                 flats.append(f)
             if flats:
@@ -275,9 +285,9 @@ class ZeroEngine:
         self._reduced = False
 
     @torch.no_grad()
-    def step(self) -> float | None:
-        """Clip, update every shard with AdamW, refresh the compute weights. Returns the gradient
-        norm before clipping when ``max_grad_norm`` is set (else None)."""
+    def step(self) -> float:
+        """Clip, update every shard with AdamW, refresh the compute weights, drop the gradients.
+        Returns the global gradient 2-norm before clipping (each parameter counted once)."""
         if self._backward_open:
             self._finish_backward()
         if self._unreduced:  # every backward of this step ran under no_sync: reduce now
@@ -287,9 +297,8 @@ class ZeroEngine:
         self._reduced = False
         dp = self.layout.dp
         grad_scale = 1.0 / dp
-        norm = None
+        norm = self._global_grad_norm()
         if self.max_grad_norm is not None:
-            norm = self._global_grad_norm()
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the update
             grad_scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
         self.step_count += 1
@@ -299,17 +308,20 @@ class ZeroEngine:
             if grad.device != f.master.device:
                 grad = grad.to(f.master.device, dtype=torch.float32)
             copy = f.own_compute if f.separate_master else None
+            opt_lo, opt_hi = f.opt_range
+            cut = min(max(f.decay_end - opt_lo, 0), opt_hi - opt_lo)  # decayed part of this shard: [0, cut)
             n = f.master.numel()
             # on the CPU the update runs over cache-sized chunks: the reference's temporaries then
             # stay small and in cache instead of costing fresh pages each step (~2x faster here);
-            # a GPU kernel gets the whole shard in one launch
+            # a GPU kernel gets each range in one launch
             chunk = _CPU_ADAM_CHUNK if f.master.device.type == "cpu" else n
-            for a in range(0, n, chunk):
-                b = min(a + chunk, n)
-                routing_kernels.fused_adamw(
-                    f.master[a:b], grad[a:b], f.exp_avg[a:b], f.exp_avg_sq[a:b], step=self.step_count, lr=self.lr,
-                    beta1=b1, beta2=b2, eps=self.eps, weight_decay=self.weight_decay, grad_scale=grad_scale,
-                    param_copy=None if copy is None else copy[a:b])
+            for lo, hi, wd in ((0, cut, self.weight_decay), (cut, n, 0.0)):
+                for a in range(lo, hi, chunk):
+                    b = min(a + chunk, hi)
+                    routing_kernels.fused_adamw(
+                        f.master[a:b], grad[a:b], f.exp_avg[a:b], f.exp_avg_sq[a:b], step=self.step_count, lr=self.lr,
+                        beta1=b1, beta2=b2, eps=self.eps, weight_decay=wd, grad_scale=grad_scale,
+                        param_copy=None if copy is None else copy[a:b])
         handles = [h for h in (f.launch_param_gather() for f in self.flats) if h is not None]
         for h in handles:
             h.wait()
@@ -459,6 +471,9 @@ class ZeroEngine:
     # ----- backward: gradient arrival and reduction -------------------------------------------
     def _open_backward(self) -> None:
         if not self._backward_open:
+            if self._sync and self._reduced:
+                raise RuntimeError("a second backward outside no_sync() before step(): gradients were already "
+                                   "reduced; run every micro-batch but the last inside engine.no_sync()")
             self._backward_open = True
             self._bwd_queue = [u for u in reversed(self._fwd_order)]
             self._bwd_queue += [u for u in self.units if u not in self._bwd_queue]
