@@ -218,10 +218,64 @@ def _equivalence_rank(rank, world):
             dtypes = ({f.full_P.dtype for f in engine.flats}, {f.master.dtype for f in engine.flats}, {f.exp_avg.dtype for f in engine.flats})
             out[("bf16", offload_ep, stage)] = (losses, refs[ACCUM_CLIP][0][:BF16_STEPS], dtypes)
     if world == 4:
+        out[("transformer", 2, 3)] = _transformer_run(rank, world, layout)
         # a pipeline stage's option: gather once per step, keep across micro-batches
         losses, params, stats, _ = run_engine(layout, 3, 2, CLIP, keep_gathered_across_microbatches=True)
         out[("extra", offload_ep, 3, ("keep_gathered_across_microbatches",))] = (_compare(refs[ACCUM_CLIP], (losses, params), layout), stats)
     return out
+
+
+TF_VOCAB, TF_LEN, TF_STEPS = 64, 7, 6
+
+
+def _transformer_cfg():
+    from moe.model import TransformerConfig
+
+    # the trainer's model with every feature that touches ZeRO-3: tied embeddings (a weight shared by
+    # two blocks), activation checkpointing (block forwards re-run inside the backward), MoE + EP
+    return TransformerConfig(vocab_size=TF_VOCAB, d_model=D, n_layers=3, n_heads=2, d_ff=F, max_seq_len=16, moe_every=2,
+                             moe=MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=2), tie_embeddings=True,
+                             checkpoint_activations=True)
+
+
+def _transformer_run(rank, world, layout):
+    """ZeRO-3 on the reference transformer against one process with AdamW: max relative loss error."""
+    import torch.nn.functional as Fn
+
+    from moe.model import Transformer
+
+    tokens = torch.randint(0, TF_VOCAB, (TF_STEPS, world * B_PER_RANK, TF_LEN + 1), generator=torch.Generator().manual_seed(3))
+    lm_loss = lambda logits, b: Fn.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
+    torch.manual_seed(0)
+    ref = Transformer(_transformer_cfg())
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    want = []
+    for b in tokens:
+        loss = lm_loss(ref(b[:, :-1]), b)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    torch.manual_seed(0)
+    net = Transformer(_transformer_cfg())
+    ref_init = dict(net.named_parameters())
+    net = Transformer(_transformer_cfg(), layout=layout)
+    L = E // layout.ep
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            p.copy_(ref_init[n][layout.ep_rank * L : (layout.ep_rank + 1) * L] if is_expert_param(p) else ref_init[n])
+    engine = ZeroEngine(net, layout, stage=3, lr=LR, weight_decay=WD, max_grad_norm=CLIP)
+    got = []
+    for b in tokens:
+        b = b[layout.dp_rank * B_PER_RANK : (layout.dp_rank + 1) * B_PER_RANK]
+        loss = lm_loss(engine(b[:, :-1]), b)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=layout.dp_group)
+        got.append(total.item() / layout.dp)
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want)), dict(engine.gather_stats)
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +304,14 @@ def test_stages_match_adamw_dp4_with_and_without_ep(results_dp4):
     # includes ZeRO-3 with ep=2 inside dp=4 (edp=2), with accumulation and clipping
     assert ("plain", 2, 3, 2, CLIP) in results_dp4[0]
     assert _check_all(results_dp4) == 4 * (4 + 8 + 1)
+
+
+def test_stage3_trains_the_reference_transformer_like_one_process(results_dp4):
+    # ep=2 inside dp=4, tied embeddings, activation checkpointing
+    for out in results_dp4:
+        loss_err, stats = out[("transformer", 2, 3)]
+        assert loss_err < LOSS_RTOL, loss_err
+        assert stats["max_gathered_blocks"] <= 2 and stats["prefetches"] > 0, stats
 
 
 def test_stages_match_adamw_dp2_ep2(results_dp2):
