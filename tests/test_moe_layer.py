@@ -436,14 +436,18 @@ def test_activation_checkpointing_counts_once(reentrant, early_stop):
 # --- determinism and validation ---------------------------------------------------------------
 
 
-def test_same_seed_same_bits():
-    cfg = MoEConfig(d_model=24, d_ff=40, num_experts=7, top_k=3, num_shared_experts=1)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_same_seed_same_bits(threads):
+    # big enough that the row gathers, scatter-adds and matmuls split over two threads
+    cfg = MoEConfig(d_model=96, d_ff=64, num_experts=7, top_k=3, num_shared_experts=1)
     results = []
+    torch.set_num_threads(threads)  # the module fixture restores the count afterwards
     for _ in range(2):
         layer = make(cfg, seed=11)
         torch.manual_seed(12)
-        x, g = torch.randn(45, 24), torch.randn(45, 24)
+        x, g = torch.randn(1500, 96), torch.randn(1500, 96)
         results.append(run_layer(layer, x, g))
+    torch.set_num_threads(1)
     (o1, gx1, p1), (o2, gx2, p2) = results
     assert torch.equal(o1, o2) and torch.equal(gx1, gx2)
     assert all(torch.equal(p1[n], p2[n]) for n in p1)
