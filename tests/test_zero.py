@@ -28,6 +28,7 @@ B_PER_RANK, SEQ = 2, 3  # rows of each rank's micro-batch; odd sequence length o
 CLIP = 0.05  # below the reference's gradient norms (~0.1-1), so clipping is active every step
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5
+GRAD_ATOL = 1e-6  # gradients of size ~1e-2-1 after one reduction: rounding only (~1e-8)
 
 
 class Block(nn.Module):
@@ -123,12 +124,14 @@ def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, k
             loss = ((net(x[s, m]) - y[s, m]) ** 2).mean() / accum
             loss.backward()
             total += loss.item()
+        if s == 0:
+            first_grads = {n: p.grad.clone() for n, p in net.named_parameters()}
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}, first_grads
 
 
 def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps: int = STEPS, kind: str = "tiny", **kw):
@@ -147,11 +150,14 @@ def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps
                 loss = ((engine(x[s, m, rows]) - y[s, m, rows]) ** 2).mean() / accum
                 engine.backward(loss)
             total += loss.detach()
+        if s == 0:
+            first_grads = engine.full_gradients()
         engine.step()
         if layout.dp_group is not None:
             dist.all_reduce(total, group=layout.dp_group)
         losses.append(total.item() / layout.dp)
     params = engine.full_parameters()
+    engine.first_grads = first_grads
     return losses, params, dict(engine.gather_stats), engine
 
 
@@ -164,18 +170,20 @@ class _nullcontext:
 
 
 def _compare(ref, got, layout: Layout):
-    """(max relative loss error, max absolute weight error) of one engine run against the reference."""
-    ref_losses, ref_params = ref
-    losses, params = got
+    """Max relative loss error, max absolute weight error after all steps, and max absolute error
+    of the first step's synchronised gradients (Adam forgives a wrongly scaled gradient; this does
+    not) of one engine run against the reference."""
+    ref_losses, ref_params, ref_grads = ref
+    losses, params, grads = got
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     L = E // layout.ep
-    w_err = 0.0
-    for n, p in params.items():
-        want = ref_params[n]
-        if p.shape != want.shape:  # an expert weight: this rank's ep slice
-            want = want[layout.ep_rank * L : (layout.ep_rank + 1) * L]
-        w_err = max(w_err, (p - want).abs().max().item())
-    return loss_err, w_err
+
+    def mine(want, p):  # an expert weight: this rank's ep slice
+        return want if p.shape == want.shape else want[layout.ep_rank * L : (layout.ep_rank + 1) * L]
+
+    w_err = max((p - mine(ref_params[n], p)).abs().max().item() for n, p in params.items())
+    g_err = max((g - mine(ref_grads[n], g)).abs().max().item() for n, g in grads.items())
+    return loss_err, w_err, g_err
 
 
 NO_ACCUM, ACCUM_CLIP = (1, None), (2, CLIP)
@@ -200,8 +208,8 @@ def _equivalence_rank(rank, world):
     layouts = {}
     for ep, stage, (accum, clip) in runs:
         layout = layouts.setdefault(ep, Layout.build(ep=ep, num_experts=E))
-        losses, params, stats, _ = run_engine(layout, stage, accum, clip)
-        out[("plain", ep, stage, accum, clip)] = (_compare(refs[(accum, clip)], (losses, params), layout), stats)
+        losses, params, stats, engine = run_engine(layout, stage, accum, clip)
+        out[("plain", ep, stage, accum, clip)] = (_compare(refs[(accum, clip)], (losses, params, engine.first_grads), layout), stats)
     layout = layouts[offload_ep]
     for stage in (1, 2, 3):
         # offload must change where the optimizer runs, not a single bit of the result
@@ -210,8 +218,8 @@ def _equivalence_rank(rank, world):
         out[("offload_same", offload_ep, stage)] = losses_o == losses and all(torch.equal(params_o[n], params[n]) for n in params)
     if world == 2:
         # a weight shared by two blocks, sharded and gathered under stage 3
-        losses, params, stats, _ = run_engine(layout, 3, 2, CLIP, kind="tied")
-        out[("extra", offload_ep, 3, ("tied",))] = (_compare(run_reference(2, CLIP, world, kind="tied"), (losses, params), layout), stats)
+        losses, params, stats, engine = run_engine(layout, 3, 2, CLIP, kind="tied")
+        out[("extra", offload_ep, 3, ("tied",))] = (_compare(run_reference(2, CLIP, world, kind="tied"), (losses, params, engine.first_grads), layout), stats)
         # bf16 compute weights and gradients, fp32 master weights and moments
         for stage in (2, 3):
             losses, _, _, engine = run_engine(layout, stage, 2, CLIP, steps=BF16_STEPS, mixed_precision="bf16")
@@ -220,8 +228,8 @@ def _equivalence_rank(rank, world):
     if world == 4:
         out[("transformer", 2, 3)] = _transformer_run(rank, world, layout)
         # a pipeline stage's option: gather once per step, keep across micro-batches
-        losses, params, stats, _ = run_engine(layout, 3, 2, CLIP, keep_gathered_across_microbatches=True)
-        out[("extra", offload_ep, 3, ("keep_gathered_across_microbatches",))] = (_compare(refs[ACCUM_CLIP], (losses, params), layout), stats)
+        losses, params, stats, engine = run_engine(layout, 3, 2, CLIP, keep_gathered_across_microbatches=True)
+        out[("extra", offload_ep, 3, ("keep_gathered_across_microbatches",))] = (_compare(refs[ACCUM_CLIP], (losses, params, engine.first_grads), layout), stats)
     return out
 
 
@@ -293,7 +301,8 @@ def _check_all(results):
     for out in results:
         for key, value in out.items():
             if key[0] in ("plain", "extra"):
-                (loss_err, w_err), _ = value
+                (loss_err, w_err, g_err), _ = value
+                assert g_err < GRAD_ATOL, (key, g_err)
                 assert loss_err < LOSS_RTOL, (key, loss_err)
                 assert w_err < PARAM_ATOL, (key, w_err)
                 checked += 1
@@ -366,9 +375,9 @@ def test_single_process_path_matches_adamw(one_thread, monkeypatch):
     ref = run_reference(2, CLIP, 1)
     layout = Layout.single()
     for stage in (0, 1, 2, 3):
-        losses, params, _, _ = run_engine(layout, stage, 2, CLIP, offload=stage == 2)
-        loss_err, w_err = _compare(ref, (losses, params), layout)
-        assert loss_err < LOSS_RTOL and w_err < PARAM_ATOL, (stage, loss_err, w_err)
+        losses, params, _, engine = run_engine(layout, stage, 2, CLIP, offload=stage == 2)
+        loss_err, w_err, g_err = _compare(ref, (losses, params, engine.first_grads), layout)
+        assert loss_err < LOSS_RTOL and w_err < PARAM_ATOL and g_err < GRAD_ATOL, (stage, loss_err, w_err, g_err)
 
 
 def test_shard_metadata_names_every_slice():

@@ -362,6 +362,28 @@ class ZeroEngine:
                 out[n] = full[off : off + k].view(shape).clone().cpu()
         return out
 
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The synchronised gradient (what one process would hold on the global batch, before
+        clipping) of every parameter this process holds, between the last backward and step().
+        A collective: every rank must call it."""
+        if self._backward_open:
+            self._finish_backward()
+        if self._unreduced:
+            self._reduce_all()
+        if not self._reduced:
+            raise RuntimeError("full_gradients() found no gradients: run a backward pass first")
+        out = {}
+        for f in self.flats:
+            g = f.reduced_grad().float()
+            if f.stage != 0 and f.world > 1:
+                full = torch.empty(f.padded, dtype=torch.float32, device=g.device)
+                all_gather_flat(full, g.contiguous(), f.group)
+                g = full
+            for n, off, k, shape in zip(f.names, f.offsets, f.numels, f.shapes):
+                out[n] = (g[off : off + k].view(shape) / self.layout.dp).cpu()
+        return out
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
