@@ -1,6 +1,6 @@
 """Benchmark: forward + backward of the dropless MoELayer in fp32 on this CPU.
 
-    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases]
+    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases] [--keep-freed-memory]
 
 Reports, measured in the same run, the fraction of the machine's dense matmul rate the layer
 reaches: (ideal expert FLOPs / layer time) / (FLOP rate of a plain 2048^3 matmul). Ideal expert
@@ -16,6 +16,7 @@ Legend: T tokens, K slots, D model dim, F expert hidden dim, E experts, S rows i
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -125,15 +126,34 @@ def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps
     return ph
 
 
+def keep_freed_memory() -> None:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS.
+
+    By default glibc serves each allocation above its mmap threshold (at most 32 MB) with fresh
+    pages, and the first touch of every 4 KB page faults: the layer's saved [S, F] activations
+    (64 MB each at S1) pay that on every step. Caching allocators (jemalloc, tcmalloc, which
+    PyTorch's CPU tuning guide recommends) avoid it; so does turning off mmap for large blocks.
+    Process-wide, so only the benchmark does it, and only when asked.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)):
+        raise RuntimeError("mallopt refused the settings")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
+    ap.add_argument("--keep-freed-memory", action="store_true", help="glibc: no mmap for large blocks, no trimming (see keep_freed_memory)")
     args = ap.parse_args(argv)
+    if args.keep_freed_memory:
+        keep_freed_memory()
 
     torch.set_grad_enabled(True)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, median of {args.reps}")
+    malloc = "glibc, freed memory kept" if args.keep_freed_memory else "glibc defaults"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, median of {args.reps}, malloc: {malloc}")
     rows = []
     for name in args.shapes:
         T, D, F, E, K = SHAPES[name]
