@@ -226,12 +226,13 @@ class ZeroEngine:
         self.root = next((u for u in self.units if u.is_root), None)
         self.flats = [f for u in self.units for f in u.flats]
         self._where = {}
+        self._grad_hooks = []
         for u in self.units:
             for f in u.flats:
                 for i, p in enumerate(f.params):
                     self._where[p] = (u, f, i)
                     p.grad = None
-                    p.register_post_accumulate_grad_hook(self._on_grad)
+                    self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
         # ----- per-step state
         self._sync = True  # False inside no_sync()
@@ -308,6 +309,10 @@ class ZeroEngine:
             if grad.device != f.master.device:
                 grad = grad.to(f.master.device, dtype=torch.float32)
             copy = f.own_compute if f.separate_master else None
+            # offloaded to the host: update there, then one transfer instead of one per chunk
+            copy_after = copy is not None and copy.device != f.master.device
+            if copy_after:
+                copy = None
             opt_lo, opt_hi = f.opt_range
             cut = min(max(f.decay_end - opt_lo, 0), opt_hi - opt_lo)  # decayed part of this shard: [0, cut)
             n = f.master.numel()
@@ -322,6 +327,8 @@ class ZeroEngine:
                         f.master[a:b], grad[a:b], f.exp_avg[a:b], f.exp_avg_sq[a:b], step=self.step_count, lr=self.lr,
                         beta1=b1, beta2=b2, eps=self.eps, weight_decay=wd, grad_scale=grad_scale,
                         param_copy=None if copy is None else copy[a:b])
+            if copy_after:
+                f.own_compute.copy_(f.master, non_blocking=True)
         handles = [h for h in (f.launch_param_gather() for f in self.flats) if h is not None]
         for h in handles:
             h.wait()
@@ -385,9 +392,9 @@ class ZeroEngine:
         return out
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
+        for h in self._hooks + self._grad_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._grad_hooks = [], []
 
     # ----- forward hooks ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args, kwargs):
