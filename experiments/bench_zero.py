@@ -1,6 +1,6 @@
 """Switchyard ZeRO stages 1-3 against torch DDP and torch FSDP2 (``fully_shard``), in one launch.
 
-    python -m experiments.bench_zero [--world 2] [--steps 10] [--contenders FSDP2 1 2 3]
+    python -m experiments.bench_zero [--world 2] [--steps 10] [--contenders FSDP2 1 2 3] [--keep-freed-memory]
 
 Every contender trains the same residual MLP (default 12.6M parameters: 6 blocks of
 Linear(512, 2048) -> GELU -> Linear(2048, 512)) with AdamW in fp32 on the same per-rank batch.
@@ -175,14 +175,15 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=256, help="rows per rank per step")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default of returning large freed blocks to the OS")
+    ap.add_argument("--keep-freed-memory", action="store_true", help="glibc: no mmap for large blocks, no trimming (a caching allocator's behaviour)")
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS[1:], help="DDP always runs: it is the baseline")
     args = ap.parse_args(argv)
-    if not args.system_malloc:
+    if args.keep_freed_memory:
         # glibc returns every freed block over ~32 MB to the OS, and the next allocation of it pays a
         # page fault per 4 KiB (~60 ms per 50 MB here). Sharded training frees and reallocates such
         # buffers every step (gathered weights, stage-2 gradients) where a GPU caching allocator
-        # would reuse them; keeping freed memory in the heap gives every contender that behaviour.
+        # would reuse them; this keeps freed memory in the heap, for every contender alike. The
+        # spawned ranks read it when they start.
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
     args.contenders = [c if c.startswith(("DDP", "FSDP", "Switchyard")) else f"Switchyard ZeRO-{c}" for c in args.contenders]
@@ -196,7 +197,7 @@ def main(argv=None):
     ddp = best["DDP"]
     print(f"{n_params / 1e6:.1f}M-parameter MLP, {args.world} ranks ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
           f"{args.tokens} rows/rank, fp32 AdamW; median of {args.steps} interleaved steps"
-          f"{', system malloc' if args.system_malloc else ''}")
+          f"{', --keep-freed-memory' if args.keep_freed_memory else ''}")
     print("| contender | step (ms) | vs DDP | model states / rank (MB) |")
     print("|---|---|---|---|")
     for name, t in best.items():
