@@ -33,8 +33,17 @@ Gradient accumulation: backward passes inside ``no_sync()`` only add local gradi
 buffers; the first backward outside it (or ``step()`` itself, if every backward was inside) reduces
 once. Like FSDP's ``no_sync``, stages 2-3 hold full-size local gradients while accumulating.
 
-Not supported: a block whose forward runs more than once per backward (weight sharing across
-blocks); several backward passes per micro-batch; sparse gradients.
+A parameter shared by two blocks (tied embeddings) joins the root unit. Activation checkpointing
+works: a block's forward re-run inside the backward finds its weights gathered. Parameters with
+``requires_grad=False`` are left alone (replicated, not sharded).
+
+Under stage 3 a parameter's storage is empty outside its block's forward and backward: read weights
+with ``full_parameters()`` (or the shards with ``shard_metadata()``), not ``model.state_dict()``.
+``p.grad`` stays None under every stage; ``full_gradients()`` returns the synchronised gradients.
+
+Not supported: a block whose forward runs more than once per backward (weight sharing inside a
+block list across iterations of a loop); several backward passes per micro-batch outside
+``no_sync()``; sparse gradients.
 """
 from __future__ import annotations
 

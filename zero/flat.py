@@ -126,9 +126,7 @@ class FlatGroup:
         pin = self.offload and torch.cuda.is_available()
         self.exp_avg = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
         self.exp_avg_sq = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
-        if self.stage == 1:
-            self.grad_full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
-        elif self.stage == 0:
+        if self.stage <= 1:  # full-size gradients live as long as the engine
             self.grad_full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
 
     @property
