@@ -513,7 +513,7 @@ class ZeroEngine:
                 raise RuntimeError("a second backward outside no_sync() before step(): gradients were already "
                                    "reduced; run every micro-batch but the last inside engine.no_sync()")
             self._backward_open = True
-            self._bwd_queue = [u for u in reversed(self._fwd_order)]
+            self._bwd_queue = list(dict.fromkeys(reversed(self._fwd_order)))  # a unit run twice reduces once
             self._bwd_queue += [u for u in self.units if u not in self._bwd_queue]
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -562,7 +562,7 @@ class ZeroEngine:
                 self._free_unit(u)
 
     def _reduce_all(self) -> None:
-        self._bwd_queue = [u for u in reversed(self._fwd_order)]
+        self._bwd_queue = list(dict.fromkeys(reversed(self._fwd_order)))  # a unit run twice reduces once
         self._bwd_queue += [u for u in self.units if u not in self._bwd_queue]
         for u in self._bwd_queue:
             self._launch(u)
