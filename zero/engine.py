@@ -440,16 +440,18 @@ class ZeroEngine:
         def hook(module, args, output):
             if _in_backward():
                 return  # recomputation for activation checkpointing: the backward frees it
-            if torch.is_grad_enabled():
-                self._register_pre_backward(unit, output)
-            if self.stage == 3 and not self.keep_gathered:
+            hooked = torch.is_grad_enabled() and self._register_pre_backward(unit, output)
+            # an output the hook cannot see into (not a tensor, list, tuple or dict) gives no signal
+            # before the block's backward: such a block stays gathered until the backward ends
+            if self.stage == 3 and not self.keep_gathered and (hooked or not torch.is_grad_enabled()):
                 self._free_unit(unit)
         return hook
 
-    def _register_pre_backward(self, unit: _Unit, output) -> None:
+    def _register_pre_backward(self, unit: _Unit, output) -> bool:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+        return bool(tensors)
 
     def _pre_backward(self, unit: _Unit) -> None:
         self._open_backward()
