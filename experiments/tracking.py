@@ -6,6 +6,7 @@ and ``logger=none`` runs without it installed.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +135,8 @@ class SweepSummary(Callback):
     ``<sweep dir>/sweep_summary.json`` (each job writes its own ``summary.json``)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank runs the sweep; one reports
+            return
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = read_sweep(sweep_dir)
         if not rows:

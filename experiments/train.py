@@ -37,15 +37,16 @@ from moe.model import Transformer, TransformerConfig
 OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
 
-def build_layout(pcfg) -> zero.Layout:
-    """The single process, or, under torchrun, the groups the ``parallel`` config asks for."""
+def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
+    """The single process, or, under torchrun, the groups the ``parallel`` config asks for; sizes are
+    validated (naming the numbers) before any collective."""
     if pcfg.zero_stage != 0:
         raise ValueError(f"parallel.zero_stage={pcfg.zero_stage} is not available yet: only 0 (replicated) is implemented")
     if pcfg.pp != 1:
         raise ValueError(f"parallel.pp={pcfg.pp} is not available yet: pipeline parallelism is not implemented, use pp=1")
     if zero.init_distributed(timeout_s=float(pcfg.timeout_s)):
-        return zero.Layout.build(ep=int(pcfg.ep), pp=int(pcfg.pp))
-    zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep))  # names the numbers when ep > 1 on one process
+        return zero.Layout.build(ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts)
+    zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep), num_experts)  # names the numbers when ep > 1 on one process
     return zero.Layout.single()
 
 
@@ -153,7 +154,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     given) and returns the summary dict (other ranks return it too, without writing). ``layout``
     and ``data`` default to what ``cfg.parallel`` and ``cfg.data`` build; a driver running many
     configs on one corpus passes ``data`` to load it once."""
-    layout = layout or build_layout(cfg.parallel)
+    layout = layout or build_layout(cfg.parallel, cfg.moe.num_experts if cfg.model.moe_every else None)
     _check_train_cfg(cfg, layout)
     zero.check_same_on_all_ranks(OmegaConf.to_yaml(cfg, resolve=True), "config")  # before any other collective
     rank0 = layout.rank == 0

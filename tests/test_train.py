@@ -118,7 +118,9 @@ def test_moe_vs_dense_pairs_equal_active_params(tmp_path, stdlib):
     assert dense["moe_layers"] == 0 and moe_run["moe_layers"] == 2
     # same active parameters per token up to the routers (E x D per MoE layer)
     assert moe_run["params_active"] - dense["params_active"] == 2 * 8 * 32
-    assert moe_run["params_total"] > 5 * dense["params_total"] / 2
+    # and 4x the FFN parameters: 8 experts of half width (3 x D x F/2 each) instead of 3 x D x F
+    D, F = 32, 64
+    assert moe_run["params_total"] - dense["params_total"] == 2 * (8 * 3 * D * F // 2 - 3 * D * F + 8 * D)
 
 
 SHORT = ["model=tiny", "logger=none", "train.progress=false", "train.batch_size=8", "train.seq_len=32", "train.eval_batches=2", "optim.warmup_steps=2"]
