@@ -1,6 +1,7 @@
 """Benchmark: forward + backward of the dropless MoELayer in fp32 on this CPU.
 
-    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases] [--keep-freed-memory]
+    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases]
+        [--threads N] [--cpu-time] [--keep-freed-memory]
 
 Reports, measured in the same run, the fraction of the machine's dense matmul rate the layer
 reaches: (ideal expert FLOPs / layer time) / (FLOP rate of a plain 2048^3 matmul). Ideal expert
@@ -32,14 +33,19 @@ SHAPES = {
 }
 
 
+# wall-clock by default; --cpu-time switches to process CPU time, which on one thread leaves out the
+# time other jobs on a shared machine hold the core (with two threads it would count OpenMP spinning)
+_clock = time.perf_counter
+
+
 def _median_time(fn, reps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
 
 
@@ -104,9 +110,9 @@ def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps
 
     def fused_fwd_bwd():
         out = experts.forward_tokens(x_TD, dest_TK, w_req, counts)
-        t0 = time.perf_counter()
+        t0 = _clock()
         torch.autograd.grad(out, [x_TD, w_req, *experts.parameters()], grad_TD)
-        return time.perf_counter() - t0
+        return _clock() - t0
 
     fused_fwd_bwd()
     ph["fused_bwd"] = statistics.median(fused_fwd_bwd() for _ in range(reps))
@@ -114,11 +120,11 @@ def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps
     def layer_fwd_bwd():
         for p in layer.parameters():
             p.grad = None
-        t0 = time.perf_counter()
+        t0 = _clock()
         out = layer(x_TD)
-        t1 = time.perf_counter()
+        t1 = _clock()
         out.backward(grad_TD)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, _clock() - t1
 
     layer_fwd_bwd()
     fwd, bwd = zip(*(layer_fwd_bwd() for _ in range(reps)))
@@ -146,14 +152,24 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
+    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's choice)")
+    ap.add_argument("--cpu-time", action="store_true", help="time in process CPU time; use with --threads 1 on a busy machine")
     ap.add_argument("--keep-freed-memory", action="store_true", help="glibc: no mmap for large blocks, no trimming (see keep_freed_memory)")
     args = ap.parse_args(argv)
     if args.keep_freed_memory:
         keep_freed_memory()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if torch.get_num_threads() != 1:
+            ap.error("--cpu-time needs --threads 1: with more threads, CPU time counts OpenMP spinning")
+        global _clock
+        _clock = time.process_time
 
     torch.set_grad_enabled(True)
     malloc = "glibc, freed memory kept" if args.keep_freed_memory else "glibc defaults"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, median of {args.reps}, malloc: {malloc}")
+    clock = "process CPU time" if args.cpu_time else "wall clock"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {clock}, median of {args.reps}, malloc: {malloc}")
     rows = []
     for name in args.shapes:
         T, D, F, E, K = SHAPES[name]
