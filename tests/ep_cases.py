@@ -120,6 +120,12 @@ def ep_rank_fn(rank, world, plan):
     out = []
     layouts = {}
     for kind, kw in plan:
+        if kind == "bad_layout":
+            out.append(bad_layout_fn(rank, world, **kw))
+            continue
+        if kind == "mismatch":
+            out.append(config_mismatch_fn(rank, world))
+            continue
         ep = kw.pop("ep")
         if ep not in layouts:
             layouts[ep] = Layout.build(ep=ep)
@@ -153,7 +159,7 @@ def dead_rank_fn(rank, world):
     import time
 
     if rank == 1:
-        time.sleep(8)  # never joins the collective in time
+        time.sleep(4)  # never joins the collective in time
         return "slept"
     t = torch.ones(1)
     start = time.time()
