@@ -79,7 +79,16 @@ class TiedNet(nn.Module):
         return self.head(self.out(self.layers[0](self.inp(x_BTD))))
 
 
-NET = {"tiny": TinyNet, "tied": TiedNet}
+class SpareNet(TinyNet):
+    """A parameter the forward never uses: its block's gradients never all arrive, so its
+    reduction starts only when the backward ends, in the same order on every rank."""
+
+    def __init__(self, layout=None):
+        super().__init__(layout)
+        self.layers[0].spare = nn.Linear(D, 3)
+
+
+NET = {"tiny": TinyNet, "tied": TiedNet, "spare": SpareNet}
 
 
 def reference_net(kind: str = "tiny") -> nn.Module:
@@ -125,7 +134,7 @@ def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, k
             loss.backward()
             total += loss.item()
         if s == 0:
-            first_grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+            first_grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
@@ -134,7 +143,8 @@ def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, k
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}, first_grads
 
 
-def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps: int = STEPS, kind: str = "tiny", **kw):
+def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps: int = STEPS, kind: str = "tiny",
+               all_no_sync: bool = False, **kw):
     net = sharded_net(layout, kind)
     scale_aux_losses(net, 1.0 / accum)
     engine = ZeroEngine(net, layout, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=clip,
@@ -145,7 +155,7 @@ def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps
     for s in range(steps):
         total = torch.zeros(())
         for m in range(accum):
-            last = m == accum - 1
+            last = m == accum - 1 and not all_no_sync  # all_no_sync: step() itself reduces
             with (engine.no_sync() if not last else _nullcontext()):
                 loss = ((engine(x[s, m, rows]) - y[s, m, rows]) ** 2).mean() / accum
                 engine.backward(loss)
@@ -181,8 +191,10 @@ def _compare(ref, got, layout: Layout):
     def mine(want, p):  # an expert weight: this rank's ep slice
         return want if p.shape == want.shape else want[layout.ep_rank * L : (layout.ep_rank + 1) * L]
 
-    w_err = max((p - mine(ref_params[n], p)).abs().max().item() for n, p in params.items())
-    g_err = max((g - mine(ref_grads[n], g)).abs().max().item() for n, g in grads.items())
+    # a parameter without gradient: torch.optim skips it, the engine steps it with a zero gradient
+    skip = set(params) - set(ref_grads)
+    w_err = max((p - mine(ref_params[n], p)).abs().max().item() for n, p in params.items() if n not in skip)
+    g_err = max((g - mine(ref_grads[n], g)).abs().max().item() for n, g in grads.items() if n not in skip)
     return loss_err, w_err, g_err
 
 
@@ -219,6 +231,12 @@ def _equivalence_rank(rank, world):
         # a weight shared by two blocks, sharded and gathered under stage 3
         losses, params, stats, engine = run_engine(layout, 3, 2, CLIP, kind="tied")
         out[("extra", offload_ep, 3, ("tied",))] = (_compare(run_reference(2, CLIP, world, kind="tied"), (losses, params, engine.first_grads), layout), stats)
+        # every micro-batch inside no_sync (step() reduces), and a parameter that gets no gradient
+        for stage in (2, 3):
+            losses, params, stats, engine = run_engine(layout, stage, 2, CLIP, all_no_sync=True)
+            out[("extra", offload_ep, stage, ("all_no_sync",))] = (_compare(refs[ACCUM_CLIP], (losses, params, engine.first_grads), layout), stats)
+            losses, params, stats, engine = run_engine(layout, stage, 2, CLIP, kind="spare")
+            out[("extra", offload_ep, stage, ("spare",))] = (_compare(run_reference(2, CLIP, world, kind="spare"), (losses, params, engine.first_grads), layout), stats)
         # bf16 compute weights and gradients, fp32 master weights and moments
         for stage in (2, 3):
             losses, _, _, engine = run_engine(layout, stage, 2, CLIP, steps=BF16_STEPS, mixed_precision="bf16")
@@ -324,7 +342,7 @@ def test_stage3_trains_the_reference_transformer_like_one_process(results_dp4):
 
 def test_stages_match_adamw_dp2_with_and_without_ep(results_dp2):
     assert ("plain", 1, 3, 2, CLIP) in results_dp2[0] and ("plain", 2, 3, 2, CLIP) in results_dp2[0]
-    assert _check_all(results_dp2) == 2 * (4 + 2 + 1)
+    assert _check_all(results_dp2) == 2 * (4 + 2 + 1 + 4)
 
 
 def test_bf16_mixed_precision_tracks_fp32(results_dp2):
