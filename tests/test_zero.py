@@ -423,6 +423,8 @@ def test_bad_arguments_raise_before_any_collective():
         ZeroEngine(net, None, blocks=[net.layers[0], net.layers[0].ffn])
     with pytest.raises(ValueError, match="keep_gathered_across_microbatches"):
         ZeroEngine(net, None, stage=2, keep_gathered_across_microbatches=True)
+    with pytest.raises(ValueError, match="holds 4 of 4 experts but the layout has ep=2"):
+        ZeroEngine(net, Layout(world=2, dp=2, ep=2))
     engine = ZeroEngine(net, None, stage=1)
     with pytest.raises(RuntimeError, match="no gradients"):
         engine.step()

@@ -177,6 +177,11 @@ class ZeroEngine:
                     raise ValueError(f"block {module_names[sub]!r} lies inside block {module_names[b]!r}; blocks must not nest")
 
         decays = (lambda n, p: True) if weight_decay_filter is None else weight_decay_filter
+        ep = 1 if layout is None else layout.ep
+        for mname, m in model.named_modules():
+            if isinstance(m, GroupedExperts) and m.num_local * ep != m.num_global:
+                raise ValueError(f"{mname} holds {m.num_local} of {m.num_global} experts but the layout has ep={ep}; "
+                                 f"build the MoE layers with the layout's ep_group")
         self.module = model
         self.layout = layout if layout is not None else Layout.single()
         self.stage = stage
