@@ -48,8 +48,8 @@ def test_text_folder_split_and_cache(tmp_path):
     assert all(doc.startswith(b"file ") for doc in train_docs | val_docs)
 
 
-def test_stdlib_corpus(tmp_path):
-    data = load_stdlib(cache_dir=tmp_path)
+def test_stdlib_corpus():
+    data = load_stdlib()  # the cache real runs use (a fresh build is covered by the text-folder test)
     assert data.vocab_size == 256 and data.info["files"] > 100
     assert len(data.val) > 10_000 and len(data.train) > 10 * len(data.val)
     assert not str(stdlib_path()).endswith("site-packages")
