@@ -5,10 +5,11 @@ from .experts import DenseFFN, GroupedExperts
 from .layer import MoELayer, MoEStats, is_expert_param, moe_layers, scale_aux_losses, update_expert_biases
 from .losses import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
 from .router import Router, Routing, capacity, capacity_keep_mask
+from .model import Transformer, TransformerConfig
 
 __all__ = [
     "MoEConfig", "MoELayer", "MoEStats", "Router", "Routing", "GroupedExperts", "DenseFFN",
     "LocalDispatcher", "AllToAllDispatcher", "load_balancing_loss", "sequence_load_balancing_loss",
     "router_z_loss", "routing_entropy", "capacity", "capacity_keep_mask", "moe_layers",
-    "scale_aux_losses", "update_expert_biases", "is_expert_param",
+    "scale_aux_losses", "update_expert_biases", "is_expert_param", "Transformer", "TransformerConfig",
 ]
