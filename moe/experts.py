@@ -171,7 +171,7 @@ class _FusedTokenExperts(torch.autograd.Function):
     (rows in expert order, their outputs, their gradients): at S = 49152, D = 512 each would be
     100 MB of fresh, page-faulting memory. The combine-weight gradient ``<y_s, g_t>`` is taken as
     ``<act_s, g_t @ w2^T>``, both of which the backward has in cache, so y is never stored.
-    Only h1 (and h3) are saved, as in ``_SwiGLUExperts``.
+    Only h1 (and h3) are saved, as in ``_SwiGLUExperts``, one tensor per block.
     """
 
     @staticmethod
@@ -185,40 +185,47 @@ class _FusedTokenExperts(torch.autograd.Function):
         src_S = rk.source_tokens(dest_TK, S)
         w_S = torch.empty(S, dtype=x_TD.dtype, device=x_TD.device)  # combine weights in row order
         w_S[kept] = weights_TK.reshape(-1)[valid].to(x_TD.dtype)
-        h1_SF = x_TD.new_empty(S, Fdim)
-        h3_SF = x_TD.new_empty(S, Fdim) if swiglu else None
+        # h1 (and h3) are saved block by block: a [block, F] tensor stays under glibc's mmap
+        # threshold, so each step reuses heap memory, while one [S, F] tensor (64 MB at S1) would
+        # come from fresh pages and fault on every 4 KB of first touch, every step
+        saved_h = []
         out_TD = x_TD.new_zeros(T, D)
         rows = min(S, _ROW_BLOCK)
         x_BD, y_BD, act_BF = x_TD.new_empty(rows, D), x_TD.new_empty(rows, D), x_TD.new_empty(rows, Fdim)
         for e, a, b, _ in _blocks(counts):
             n = b - a
             src = src_S[a:b]
-            x, y, act, h1 = x_BD[:n], y_BD[:n], act_BF[:n], h1_SF[a:b]
+            x, y, act = x_BD[:n], y_BD[:n], act_BF[:n]
+            h1 = x_TD.new_empty(n, Fdim)
+            saved_h.append(h1)
             torch.index_select(x_TD, 0, src, out=x)
             torch.mm(x, w1[e], out=h1)
             if swiglu:
-                torch.mm(x, w3[e], out=h3_SF[a:b])
+                h3 = x_TD.new_empty(n, Fdim)
+                saved_h.append(h3)
+                torch.mm(x, w3[e], out=h3)
                 _silu_out(h1, out=act)
-                act.mul_(h3_SF[a:b])
+                act.mul_(h3)
             else:
                 _gelu_out(h1, out=act)
             torch.mm(act, w2[e], out=y)
             y.mul_(w_S[a:b].unsqueeze(1))
             # a token appears at most once per expert, so the rows of one block never collide
             out_TD.index_add_(0, src, y)
-        ctx.save_for_backward(x_TD, w1, w3, w2, h1_SF, h3_SF, src_S, w_S, dest_TK)
+        ctx.save_for_backward(x_TD, w1, w3, w2, src_S, w_S, dest_TK, *saved_h)
         ctx.counts = counts
         ctx.weights_dtype = weights_TK.dtype
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        x_TD, w1, w3, w2, h1_SF, h3_SF, src_S, w_S, dest_TK = ctx.saved_tensors
+        x_TD, w1, w3, w2, src_S, w_S, dest_TK, *saved_h = ctx.saved_tensors
         counts = ctx.counts
         swiglu = w3 is not None
+        saved_h = iter(saved_h)
         grad_TD = grad_TD.contiguous()
         T, D = x_TD.shape
-        S, Fdim = h1_SF.shape
+        S, Fdim = src_S.shape[0], w1.shape[2]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx_TD = torch.zeros_like(x_TD) if need_x else None
         dw_S = x_TD.new_empty(S) if need_w else None  # dL/d combine weight, row order
@@ -230,12 +237,12 @@ class _FusedTokenExperts(torch.autograd.Function):
         for e, a, b, first in _blocks(counts):
             n = b - a
             src = src_S[a:b]
-            g, h1 = g_BD[:n], h1_SF[a:b]
+            g, h1 = g_BD[:n], next(saved_h)
             dact, silu, act = buf_a[:n], buf_b[:n], buf_c[:n]
             torch.index_select(grad_TD, 0, src, out=g)  # dL/d(w * y) of each row
             torch.mm(g, w2[e].t(), out=dact)  # dL/d act, per unit weight
             if swiglu:
-                h3 = h3_SF[a:b]
+                h3 = next(saved_h)
                 _silu_out(h1, out=silu)
                 torch.mul(silu, h3, out=act)
             else:
