@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import resource
 import statistics
 import time
 
@@ -77,6 +78,15 @@ def layer_step(layer, x_TD, grad_TD):
     x_TD.grad = None
     out_TD = layer(x_TD)
     out_TD.backward(grad_TD)
+
+
+def page_faults(fn) -> int:
+    """Minor page faults of one call: each is a fresh 4 KB page touched for the first time, a cost
+    the timings hide in whichever op writes first. Deterministic, unlike the timings here."""
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps: int) -> dict:
@@ -180,16 +190,17 @@ def main(argv=None):
         rate = statistics.median([rate_before, rate_after])
         flops = ideal_expert_flops(T, D, F, K)
         frac = flops / t_layer / rate
-        rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac))
+        faults = page_faults(lambda: layer_step(layer, x_TD, grad_TD))
+        rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, faults))
         if not args.no_phases:
             ph = phase_times(layer, x_TD, grad_TD, args.reps)
             print(f"{name} phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()))
 
     print()
-    print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, T, D, F, E, K, t, gf, mr, frac in rows:
-        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} |")
+    print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | page faults/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, T, D, F, E, K, t, gf, mr, frac, faults in rows:
+        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} | {faults} |")
 
 
 if __name__ == "__main__":
