@@ -10,8 +10,9 @@ two backward matmuls (data and weight gradient), with A = k*T assignments (SwiGL
 Everything else the layer does (router, permutation, elementwise work, losses) is overhead that
 lowers the fraction.
 
-The machine is shared, so each figure is the median of ``--reps`` timings, and the matmul rate is
-re-measured next to every shape so a noisy neighbour moves both sides of the ratio alike.
+The machine is shared, so every layer step is followed by its own 2048^3 matmuls and each pair
+gives one fraction; the table shows the medians over ``--reps`` pairs (layer time, matmul rate and
+fraction each the median of its own column, so fraction need not equal their quotient).
 Legend: T tokens, K slots, D model dim, F expert hidden dim, E experts, S rows in expert order.
 """
 from __future__ import annotations
@@ -50,12 +51,29 @@ def _median_time(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(reps: int, n: int = 2048) -> float:
-    """FLOP/s of one plain n^3 fp32 matmul (the denominator of the fraction)."""
+def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048):
+    """Alternate one layer step with three n^3 matmuls, ``reps`` times; each pair gives one
+    fraction, so a neighbour's load that slows both for a while cancels in the ratio. Returns the
+    medians of layer time, matmul rate and fraction."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
-    t = _median_time(lambda: torch.mm(a, b, out=c), reps)
-    return 2 * n**3 / t
+    layer_step(layer, x_TD, grad_TD)
+    torch.mm(a, b, out=c)
+    times, rates, fracs = [], [], []
+    for _ in range(reps):
+        t0 = _clock()
+        layer_step(layer, x_TD, grad_TD)
+        t_layer = _clock() - t0
+        mm = []
+        for _ in range(3):
+            t0 = _clock()
+            torch.mm(a, b, out=c)
+            mm.append(_clock() - t0)
+        rate = 2 * n**3 / statistics.median(mm)
+        times.append(t_layer)
+        rates.append(rate)
+        fracs.append(flops / t_layer / rate)
+    return statistics.median(times), statistics.median(rates), statistics.median(fracs)
 
 
 def ideal_expert_flops(T: int, D: int, F: int, K: int, matmuls: int = 3) -> float:
@@ -184,12 +202,8 @@ def main(argv=None):
     for name in args.shapes:
         T, D, F, E, K = SHAPES[name]
         layer, x_TD, grad_TD = make_layer(T, D, F, E, K)
-        rate_before = matmul_rate(args.reps)
-        t_layer = _median_time(lambda: layer_step(layer, x_TD, grad_TD), args.reps)
-        rate_after = matmul_rate(args.reps)
-        rate = statistics.median([rate_before, rate_after])
+        t_layer, rate, frac = measure_side_by_side(layer, x_TD, grad_TD, ideal_expert_flops(T, D, F, K), args.reps)
         flops = ideal_expert_flops(T, D, F, K)
-        frac = flops / t_layer / rate
         faults = page_faults(lambda: layer_step(layer, x_TD, grad_TD))
         rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, faults))
         if not args.no_phases:
