@@ -41,7 +41,7 @@ class Tracker:
     def log_expert_load(self, load_LE: list[list[int]], step: int) -> None:
         pass
 
-    def finish(self, summary: dict | None = None) -> None:
+    def finish(self, summary: dict | None = None, failed: bool = False) -> None:
         pass
 
 
@@ -80,12 +80,12 @@ class WandbTracker(Tracker):
             out[f"expert_load/layer{i}_max_over_mean"] = float(counts.max() / max(counts.mean(), 1e-9))
         self.run.log(out, step=step)
 
-    def finish(self, summary: dict | None = None) -> None:
+    def finish(self, summary: dict | None = None, failed: bool = False) -> None:
         if summary:
             for k, v in summary.items():
                 if isinstance(v, (int, float, str)):
                     self.run.summary[k] = v
-        self.run.finish()
+        self.run.finish(exit_code=1 if failed else 0)  # a crashed run shows as failed, not finished
 
 
 def make_tracker(cfg: DictConfig, run_dir: Path, rank: int) -> Tracker:

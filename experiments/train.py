@@ -272,7 +272,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         bar.close()
         metrics.close()
         if rank0:
-            tracker.finish()
+            tracker.finish(failed=True)
         raise
     bar.close()
     metrics.close()
