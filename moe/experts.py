@@ -304,13 +304,21 @@ class GroupedExperts(nn.Module):
             p.expert_parallel = True  # read by gradient sync / ZeRO: shard and reduce over edp
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self):
-        # like nn.Linear's default: uniform in +-1/sqrt(fan_in)
+        # like nn.Linear's default: uniform in +-1/sqrt(fan_in). Each global expert draws from its
+        # own generator, seeded from ONE draw of the global RNG: expert e gets the same weights
+        # whichever rank holds it, and the global RNG advances the same on every layout, so every
+        # module initialised after this one is identical too (same model on any ep).
+        base = int(torch.randint(0, 2**62, (1,)).item())
         d_model, d_ff = self.w1.shape[1], self.w1.shape[2]
-        for w, fan_in in ((self.w1, d_model), (self.w3, d_model), (self.w2, d_ff)):
-            if w is not None:
-                bound = 1.0 / math.sqrt(fan_in)
-                nn.init.uniform_(w, -bound, bound)
+        for j, (w, fan_in) in enumerate(((self.w1, d_model), (self.w3, d_model), (self.w2, d_ff))):
+            if w is None:
+                continue
+            bound = 1.0 / math.sqrt(fan_in)
+            for e in range(self.num_local):
+                g = torch.Generator().manual_seed(base + 3 * (self.expert_offset + e) + j)
+                w[e].copy_(torch.rand(w.shape[1:], generator=g).mul_(2 * bound).sub_(bound))
 
     def forward(self, x_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if len(counts) != self.num_local:

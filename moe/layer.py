@@ -96,7 +96,9 @@ class MoELayer(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, cfg.d_model)
         T = x_TD.shape[0]
-        routing = self.router(x_TD, self.ep_group)
+        # capacity and expert choice decide over the whole data-parallel batch, so the kept set is
+        # the single-process one on every layout
+        routing = self.router(x_TD, self.dp_group if self.dp_group is not None else self.ep_group)
         out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)

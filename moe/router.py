@@ -68,14 +68,16 @@ class Router(nn.Module):
     def reset_parameters(self):
         nn.init.normal_(self.weight, std=self.cfg.d_model**-0.5)
 
-    def forward(self, x_TD: torch.Tensor, ep_group=None) -> Routing:
+    def forward(self, x_TD: torch.Tensor, group=None) -> Routing:
+        """``group``: the processes whose tokens form the batch that capacity and expert choice
+        decide over (the data-parallel group); None is this process's tokens."""
         cfg = self.cfg
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         if cfg.router == "expert_choice":
-            return self._expert_choice(logits_TE, ep_group)
-        return self._token_choice(logits_TE, ep_group)
+            return self._expert_choice(logits_TE, group)
+        return self._token_choice(logits_TE, group)
 
-    def _token_choice(self, logits_TE, ep_group) -> Routing:
+    def _token_choice(self, logits_TE, group) -> Routing:
         cfg = self.cfg
         E, K = cfg.num_experts, cfg.top_k
         if cfg.score_func == "sigmoid":
@@ -102,8 +104,8 @@ class Router(nn.Module):
         selected_TK = ids_TK
         num_dropped = torch.zeros((), dtype=torch.long, device=ids_TK.device)
         if cfg.capacity_factor is not None:
-            all_ids, start = gather_rows(ids_TK, ep_group)
-            all_w, _ = gather_rows(weights_TK.detach(), ep_group)
+            all_ids, start = gather_rows(ids_TK, group)
+            all_w, _ = gather_rows(weights_TK.detach(), group)
             cap = capacity(cfg.capacity_factor, K, all_ids.shape[0], E)
             keep_TK = capacity_keep_mask(all_ids, all_w, E, cap, cfg.drop_policy)[start : start + ids_TK.shape[0]]
             num_dropped = (~keep_TK).sum()
@@ -122,13 +124,13 @@ class Router(nn.Module):
         keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, top_groups, True)
         return select_TE.masked_fill(~keep_TG.repeat_interleave(E // G, dim=1), float("-inf"))
 
-    def _expert_choice(self, logits_TE, ep_group) -> Routing:
-        # each expert takes its top-C tokens over the whole batch of the EP group; this looks at
+    def _expert_choice(self, logits_TE, group) -> Routing:
+        # each expert takes its top-C tokens over the whole data-parallel batch; this looks at
         # every token of the batch, so it is not causal (unfit for autoregressive decoding)
         cfg = self.cfg
         E = cfg.num_experts
         probs_TE = torch.softmax(logits_TE, dim=-1)
-        all_probs, start = gather_rows(probs_TE.detach(), ep_group)
+        all_probs, start = gather_rows(probs_TE.detach(), group)
         T_all = all_probs.shape[0]
         cap = min(capacity(cfg.capacity_or_default, cfg.top_k, T_all, E), T_all)
         chosen_all = torch.zeros_like(all_probs, dtype=torch.bool)

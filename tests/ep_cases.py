@@ -123,6 +123,12 @@ def ep_rank_fn(rank, world, plan):
         if kind == "bad_layout":
             out.append(bad_layout_fn(rank, world, **kw))
             continue
+        if kind == "init":
+            layout = layouts.setdefault(kw["ep"], Layout.build(ep=kw["ep"]))
+            torch.manual_seed(0)
+            model = TinyMoENet(kw["cfg"], 8, layout.ep_group, layout.dp_group)
+            out.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "expert_offset": model.moe.experts.expert_offset})
+            continue
         if kind == "mismatch":
             out.append(config_mismatch_fn(rank, world))
             continue

@@ -115,6 +115,9 @@ def test_ep4_and_ep2_in_dp4_layer_and_training():
         ("layer", dict(ep=4, cfg=cfg(capacity_factor=1.0), T_local=6, skew=None)),
         ("layer", dict(ep=2, cfg=c, T_local=6, skew=None)),
         ("train", dict(ep=2, cfg=train_cfg, steps=20, global_bs=16, max_norm=0.5)),
+        # capacity decides over the whole dp batch, not only the ep group's tokens
+        ("layer", dict(ep=2, cfg=cfg(capacity_factor=1.0, drop_policy="position"), T_local=6, skew=None)),
+        ("init", dict(ep=2, cfg=train_cfg)),
     ]
     raw = run_distributed(ep_rank_fn, 4, copy.deepcopy(plan))
     # a layout that does not divide stops every rank with the numbers, before any collective
@@ -125,6 +128,23 @@ def test_ep4_and_ep2_in_dp4_layer_and_training():
     check_layer([results[r][1] for r in range(4)], reference_layer(cfg(capacity_factor=1.0), 24), 2)
     check_layer([results[r][2] for r in range(4)], reference_layer(c, 24), 4)
     check_training([results[r][3] for r in range(4)], train_cfg, steps=20, global_bs=16, max_norm=0.5)
+    check_layer([results[r][4] for r in range(4)], reference_layer(cfg(capacity_factor=1.0, drop_policy="position"), 24), 4)
+    assert results[0][4]["stats"]["dropped_fraction"] > 0  # the capacity case really dropped
+    check_same_init([results[r][5] for r in range(4)], train_cfg)
+
+
+def check_same_init(results, c):
+    # a seed gives the same model on every layout: each rank's experts are its slice of the
+    # single-process experts, and every other weight (built after the experts) is identical
+    torch.manual_seed(0)
+    full = dict(TinyMoENet(c, 8).named_parameters())
+    for r in results:
+        L = r["params"]["moe.experts.w1"].shape[0]
+        for name, p in r["params"].items():
+            ref = full[name].detach()
+            if name.startswith("moe.experts."):
+                ref = ref[r["expert_offset"] : r["expert_offset"] + L]
+            assert torch.equal(p, ref), name
 
 
 def single_process_training(c, steps, global_bs, max_norm, d_in=8):
