@@ -199,16 +199,19 @@ def main(argv=None):
     clock = "process CPU time" if args.cpu_time else "wall clock"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {clock}, median of {args.reps}, malloc: {malloc}")
     rows = []
+    # the headline figures first, every shape back to back; the slower breakdown afterwards
     for name in args.shapes:
         T, D, F, E, K = SHAPES[name]
         layer, x_TD, grad_TD = make_layer(T, D, F, E, K)
-        t_layer, rate, frac = measure_side_by_side(layer, x_TD, grad_TD, ideal_expert_flops(T, D, F, K), args.reps)
         flops = ideal_expert_flops(T, D, F, K)
+        t_layer, rate, frac = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps)
         faults = page_faults(lambda: layer_step(layer, x_TD, grad_TD))
         rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, faults))
-        if not args.no_phases:
-            ph = phase_times(layer, x_TD, grad_TD, args.reps)
-            print(f"{name} phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()))
+        del layer, x_TD, grad_TD
+    for name in [] if args.no_phases else args.shapes:
+        layer, x_TD, grad_TD = make_layer(*SHAPES[name])
+        ph = phase_times(layer, x_TD, grad_TD, args.reps)
+        print(f"{name} phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()))
 
     print()
     print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | page faults/step |")
