@@ -376,7 +376,9 @@ def test_expert_bias_moves_load_toward_uniform():
             layer(x)
         history.append(load_imbalance(layer.stats.tokens_per_expert))
         moe.update_expert_biases(layer)
-    assert min(history[-10:]) < 1.3 < start
+    # sign updates of a fixed size oscillate around balance on a fixed batch, so look at the best of
+    # the last steps: the max/mean load must have at least halved
+    assert min(history[-10:]) < 0.5 * start
     # the overloaded experts' biases went down, the bias update resets the running load
     assert layer.router.expert_bias[:2].max() < 0 and torch.all(layer.load_since_update == 0)
 
