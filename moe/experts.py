@@ -162,6 +162,40 @@ class _GeluExperts(torch.autograd.Function):
         return dx_SD, dw1, dw2, None
 
 
+class _SavedBlockPool:
+    """[_ROW_BLOCK, F] buffers for the pre-activations the fused experts save, kept across steps.
+
+    Fresh memory for them costs a page fault per 4 KB on first touch, every step: glibc returns
+    freed heap to the OS (trimming) and maps large blocks anew, ~30k faults at S1, several percent
+    of the step. Each block is lent as a view of a pooled buffer, and a buffer is lent again only
+    when nothing but the pool refers to its storage: once autograd has released what it saved
+    (after the backward, or when the graph is dropped). A graph kept with ``retain_graph`` keeps
+    its buffers. Holds the peak of saved pre-activations, as a caching allocator would.
+    """
+
+    def __init__(self):
+        self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when only we hold it)
+
+    @staticmethod
+    def _use_count(t: torch.Tensor) -> int:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    def lender(self, like: torch.Tensor, cols: int):
+        """A function ``rows -> [rows, cols] tensor``, drawing on the buffers free right now."""
+        if like.device.type != "cpu" or not hasattr(torch._C, "_storage_Use_Count"):
+            return lambda rows: like.new_empty(rows, cols)
+        free = [b for b, base in self._buffers if b.dtype == like.dtype and b.shape[1] == cols and b.shape[0] == _ROW_BLOCK and self._use_count(b) == base]
+
+        def take(rows: int) -> torch.Tensor:
+            if free:
+                return free.pop()[:rows]
+            buf = like.new_empty(_ROW_BLOCK, cols)
+            self._buffers.append((buf, self._use_count(buf)))
+            return buf[:rows]
+
+        return take
+
+
 class _FusedTokenExperts(torch.autograd.Function):
     """permute -> experts -> unpermute_combine as one pass per row block (the CPU path).
 
@@ -175,7 +209,7 @@ class _FusedTokenExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, w1, w3, w2, dest_TK, counts):
+    def forward(ctx, x_TD, weights_TK, w1, w3, w2, dest_TK, counts, pool):
         T, D = x_TD.shape
         S, Fdim = sum(counts), w1.shape[2]
         swiglu = w3 is not None
@@ -185,9 +219,8 @@ class _FusedTokenExperts(torch.autograd.Function):
         src_S = rk.source_tokens(dest_TK, S)
         w_S = torch.empty(S, dtype=x_TD.dtype, device=x_TD.device)  # combine weights in row order
         w_S[kept] = weights_TK.reshape(-1)[valid].to(x_TD.dtype)
-        # h1 (and h3) are saved block by block: a [block, F] tensor stays under glibc's mmap
-        # threshold, so each step reuses heap memory, while one [S, F] tensor (64 MB at S1) would
-        # come from fresh pages and fault on every 4 KB of first touch, every step
+        # h1 (and h3) are saved block by block, in buffers the pool keeps from step to step
+        take = pool.lender(x_TD, Fdim)
         saved_h = []
         out_TD = x_TD.new_zeros(T, D)
         rows = min(S, _ROW_BLOCK)
@@ -196,12 +229,12 @@ class _FusedTokenExperts(torch.autograd.Function):
             n = b - a
             src = src_S[a:b]
             x, y, act = x_BD[:n], y_BD[:n], act_BF[:n]
-            h1 = x_TD.new_empty(n, Fdim)
+            h1 = take(n)
             saved_h.append(h1)
             torch.index_select(x_TD, 0, src, out=x)
             torch.mm(x, w1[e], out=h1)
             if swiglu:
-                h3 = x_TD.new_empty(n, Fdim)
+                h3 = take(n)
                 saved_h.append(h3)
                 torch.mm(x, w3[e], out=h3)
                 _silu_out(h1, out=act)
@@ -281,7 +314,7 @@ class _FusedTokenExperts(torch.autograd.Function):
             grad_w = torch.zeros(flat.numel(), dtype=ctx.weights_dtype, device=x_TD.device)
             grad_w[valid] = dw_S[flat[valid]].to(ctx.weights_dtype)
             grad_w = grad_w.view(dest_TK.shape)
-        return dx_TD, grad_w, dw1, dw3, dw2, None, None
+        return dx_TD, grad_w, dw1, dw3, dw2, None, None, None
 
 
 class GroupedExperts(nn.Module):
@@ -294,6 +327,7 @@ class GroupedExperts(nn.Module):
         self.expert_offset = expert_offset
         self.num_global = num_local if num_global is None else num_global
         self.activation = activation
+        self._saved_pool = _SavedBlockPool()  # not state: buffers reused by the fused CPU path
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
         if activation == "swiglu":
             self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
@@ -333,7 +367,7 @@ class GroupedExperts(nn.Module):
         ``routing_metadata``. The CPU path of the local dispatcher."""
         if len(counts) != self.num_local:
             raise ValueError(f"got {len(counts)} segment counts for {self.num_local} local experts")
-        return _FusedTokenExperts.apply(x_TD.contiguous(), weights_TK, self.w1, self.w3, self.w2, dest_TK, counts)
+        return _FusedTokenExperts.apply(x_TD.contiguous(), weights_TK, self.w1, self.w3, self.w2, dest_TK, counts, self._saved_pool)
 
 
 class DenseFFN(nn.Module):

@@ -190,6 +190,23 @@ def test_fused_and_unfused_agree():
         torch.testing.assert_close(a[2][n], b[2][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_pooled_buffers_stay_with_a_live_graph():
+    # the fused path keeps the buffers of saved activations from step to step; a second forward
+    # while the first graph is alive (pipeline micro-batches, retain_graph) must not reuse them
+    layer = make(no_aux(d_model=16, d_ff=24, num_experts=3, top_k=2))
+    params = list(layer.parameters())
+    torch.manual_seed(14)
+    x1, x2, g = torch.randn(40, 16), torch.randn(40, 16), torch.randn(40, 16)
+    out1 = layer(x1)
+    first = torch.autograd.grad(out1, params, g, retain_graph=True)
+    for _ in range(2):  # the second round may reuse out2's buffers, freed by its backward
+        out2 = layer(x2)
+        torch.autograd.grad(out2, params, g)
+    again = torch.autograd.grad(out1, params, g)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
 def test_all_tokens_to_one_expert():
     # a router row aligned with all-positive inputs wins every token; the other experts are empty
     layer = make(no_aux(d_model=16, d_ff=24, num_experts=5, top_k=1))
