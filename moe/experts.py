@@ -11,6 +11,11 @@ straight into slices of the output buffers, the elementwise work (activation, it
 aten's fused ``silu_backward``/``gelu_backward``) runs on a small scratch buffer that is still in
 cache, and only the pre-activations are saved. A fresh [rows, F] temporary per elementwise step
 would cost a pass over memory plus, above glibc's 32 MB mmap threshold, a page fault per 4 KB.
+
+Two entry points: ``GroupedExperts.forward(x_SD, counts)`` on rows already in expert order (CUDA
+and expert parallelism, between ``routing_kernels.permute`` and ``unpermute_combine``), and
+``forward_tokens``, which folds the permutation and the weighted combine into the same block loop
+(the local CPU path, ``LocalDispatcher``).
 """
 from __future__ import annotations
 
