@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 import moe
+import routing_kernels
 import zero
 from experiments.data import LMData, build_data
 from experiments.tracking import MetricsFile, hydra_job_info, make_tracker
@@ -40,14 +41,33 @@ OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=Tr
 def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
     """The single process, or, under torchrun, the groups the ``parallel`` config asks for; sizes are
     validated (naming the numbers) before any collective."""
-    if pcfg.zero_stage != 0:
-        raise ValueError(f"parallel.zero_stage={pcfg.zero_stage} is not available yet: only 0 (replicated) is implemented")
+    if pcfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage={pcfg.zero_stage!r} is invalid: expected 0, 1, 2 or 3")
     if pcfg.pp != 1:
         raise ValueError(f"parallel.pp={pcfg.pp} is not available yet: pipeline parallelism is not implemented, use pp=1")
     if zero.init_distributed(timeout_s=float(pcfg.timeout_s)):
         return zero.Layout.build(ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts)
     zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep), num_experts)  # names the numbers when ep > 1 on one process
     return zero.Layout.single()
+
+
+def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout) -> "zero.ZeroEngine | None":
+    """The ZeRO engine for ``parallel.zero_stage`` >= 1 (it owns the optimizer, the gradient
+    reduction and clipping); None at stage 0, where ``build_optimizer`` and ``zero.sync_gradients``
+    do that work."""
+    pcfg, ocfg = cfg.parallel, cfg.optim
+    if int(pcfg.zero_stage) == 0:
+        if pcfg.get("zero_offload", False):
+            raise ValueError("parallel.zero_offload=true needs parallel.zero_stage >= 1")
+        return None
+    return zero.ZeroEngine(
+        model, layout, stage=int(pcfg.zero_stage), lr=float(ocfg.lr),
+        betas=tuple(float(b) for b in ocfg.betas), eps=float(ocfg.eps), weight_decay=float(ocfg.weight_decay),
+        weight_decay_filter=lambda name, p: p.dim() >= 2,  # the same two groups as build_optimizer
+        max_grad_norm=float(cfg.train.grad_clip) if cfg.train.grad_clip > 0 else None,
+        offload=bool(pcfg.get("zero_offload", False)),
+        mixed_precision=str(pcfg.get("zero_mixed_precision", "fp32")),
+    )
 
 
 def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transformer:
@@ -64,18 +84,21 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transform
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW over two groups: matrices decay, norm gains do not. ``optim.impl``: ``fused`` (torch's
-    fused kernel), ``foreach``, or ``auto`` (fused where the parameters' device supports it)."""
+    fused kernel), ``foreach``, ``auto`` (fused where the parameters' device supports it), or
+    ``switchyard`` (``routing_kernels.FusedAdamW``: our Triton kernel on CUDA, its reference elsewhere)."""
     ocfg = cfg.optim
     if ocfg.name != "adamw":
         raise ValueError(f"optim.name={ocfg.name!r} is invalid: expected 'adamw'")
-    if ocfg.impl not in ("auto", "fused", "foreach"):
-        raise ValueError(f"optim.impl={ocfg.impl!r} is invalid: expected one of ('auto', 'fused', 'foreach')")
+    if ocfg.impl not in ("auto", "fused", "foreach", "switchyard"):
+        raise ValueError(f"optim.impl={ocfg.impl!r} is invalid: expected one of ('auto', 'fused', 'foreach', 'switchyard')")
     params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": float(ocfg.weight_decay)},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     kw = dict(lr=float(ocfg.lr), betas=tuple(float(b) for b in ocfg.betas), eps=float(ocfg.eps))
+    if ocfg.impl == "switchyard":
+        return routing_kernels.FusedAdamW(groups, **kw)
     if ocfg.impl in ("auto", "fused"):
         try:
             return torch.optim.AdamW(groups, fused=True, **kw)
@@ -170,7 +193,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
     model = build_model(cfg, layout).to(device)
     model.train()
-    optimizer = build_optimizer(cfg, model)
+    engine = build_engine(cfg, model, layout)
+    optimizer = build_optimizer(cfg, model) if engine is None else None
     params = model.param_counts()
     unigram = data.unigram_entropy("val")
 
@@ -200,28 +224,38 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     try:
         for step in range(tcfg.steps):
             lr = lr_at(step, cfg.optim, tcfg.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            if engine is not None:
+                engine.lr = lr
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
             x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
             for m in range(accum):
                 x, y = x_BL[m * micro : (m + 1) * micro].to(device), y_BL[m * micro : (m + 1) * micro].to(device)
-                with _autocast(cfg, device):
-                    logits_BLV = model(x)
-                loss = F.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten())
-                (loss / accum).backward()
+                # under ZeRO, micro-batches before the last only accumulate locally: one
+                # reduction per optimizer step
+                quiet = engine.no_sync() if engine is not None and m < accum - 1 else nullcontext()
+                with quiet:
+                    with _autocast(cfg, device):
+                        logits_BLV = model(x)
+                    loss = F.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten())
+                    (loss / accum).backward()
                 acc["loss"] += loss.detach() / accum
                 for i, layer in enumerate(layers):
                     acc["load"][i] += layer.stats.tokens_per_expert
                 if layers:
                     acc["aux"] += sum(l.stats.aux_loss.float() for l in layers) / len(layers) / accum
                     acc["drop"] += sum(l.stats.dropped_fraction.float() for l in layers) / len(layers) / accum
-            zero.sync_gradients(model, layout)
-            if tcfg.grad_clip > 0:
-                gnorm = zero.clip_grad_norm_(model, float(tcfg.grad_clip), layout)
+            if engine is not None:
+                gnorm = torch.as_tensor(engine.step(), dtype=torch.float32, device=device)  # reduce, clip, AdamW on shards
             else:
-                gnorm = zero.grad_norm(model, layout)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                zero.sync_gradients(model, layout)
+                if tcfg.grad_clip > 0:
+                    gnorm = zero.clip_grad_norm_(model, float(tcfg.grad_clip), layout)
+                else:
+                    gnorm = zero.grad_norm(model, layout)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
             acc["gnorm"] += gnorm.detach()
             acc["n"] += 1

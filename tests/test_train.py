@@ -17,7 +17,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from experiments.data import load_stdlib
 from experiments.train import build_optimizer, lr_at, train
-from tests.dist_utils import run_distributed
+from tests.dist_utils import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -95,6 +95,11 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
         monkeypatch.setenv("WANDB_SILENT", "true")
         overrides.append("logger.mode=offline")  # no network, no account
     cfg = cfg_of(*overrides)
+    if group == "parallel" and cfg.parallel.ep > 1:
+        # needs ep ranks: the layout tests below run it; one process must refuse it by the numbers
+        with pytest.raises(ValueError, match=f"ep={cfg.parallel.ep} does not divide dp=1"):
+            run(cfg, tmp_path, stdlib)
+        return
     summary = run(cfg, tmp_path, stdlib)
     assert math.isfinite(summary["final_val_loss"]) and len(summary["train_losses"]) == 2
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -161,19 +166,55 @@ def test_grad_accum_trains_the_same_batch(tmp_path, stdlib):
     np.testing.assert_allclose(four["train_losses"], one["train_losses"], rtol=1e-5)  # fp32, summation order only
 
 
-def _dp_rank_losses(rank, world, overrides):
+def _layout_losses(rank, world, runs):
     torch.set_num_threads(1)
-    cfg = cfg_of(*overrides)
-    return train(cfg)["train_losses"]
+    return [train(cfg_of(*overrides))["train_losses"] for overrides in runs]
 
 
-def test_two_data_parallel_ranks_train_like_one_process(tmp_path, stdlib):
-    overrides = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
-    single = run(cfg_of(*overrides), tmp_path, stdlib)["train_losses"]
-    per_rank = run_distributed(_dp_rank_losses, 2, overrides, timeout=180)
-    assert per_rank[0] == per_rank[1]  # the logged loss is the dp mean
-    # same global batch and averaged gradients; only the reduction order differs (fp32)
-    np.testing.assert_allclose(per_rank[0], single, rtol=2e-5)
+# every layout trains the same model on the same global batch, so it logs the single-process curve
+LAYOUTS_2 = [
+    [],  # plain data parallel
+    ["parallel=ep2"],
+    ["parallel=ep2", "parallel.zero_stage=1", "train.grad_clip=0.05"],
+    ["parallel=ep2", "parallel.zero_stage=2", "parallel.zero_offload=true"],
+    ["parallel=ep2", "parallel.zero_stage=3", "optim.impl=switchyard"],
+]
+LAYOUTS_4 = [["parallel=ep2"], ["parallel=zero3_ep2"], ["parallel=ep4", "parallel.zero_stage=2"]]
+
+
+def _check_layouts(per_rank, layouts, tmp_path, stdlib, base):
+    for i, extra in enumerate(layouts):
+        single_overrides = [o for o in extra if not o.startswith("parallel")] + base
+        single = run(cfg_of(*single_overrides), tmp_path, stdlib, f"single{i}")["train_losses"]
+        assert all(r[i] == per_rank[0][i] for r in per_rank), "the logged loss is the dp mean"
+        # same global batch, same initial model, gradients reduced to the single-process ones; only
+        # the reduction order differs (fp32, ~1e-6 per step, 3 steps of Adam)
+        np.testing.assert_allclose(per_rank[0][i], single, rtol=2e-5, err_msg=f"layout {extra}")
+
+
+def test_two_ranks_train_like_one_process_on_every_layout(tmp_path, stdlib):
+    base = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
+    per_rank = run_distributed(_layout_losses, 2, [extra + base for extra in LAYOUTS_2], timeout=400)
+    _check_layouts(per_rank, LAYOUTS_2, tmp_path, stdlib, base)
+
+
+def test_four_ranks_ep_inside_dp_and_zero3_train_like_one_process(tmp_path, stdlib):
+    base = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
+    per_rank = run_distributed(_layout_losses, 4, [extra + base for extra in LAYOUTS_4], timeout=400)
+    _check_layouts(per_rank, LAYOUTS_4, tmp_path, stdlib, base)
+
+
+def test_torchrun_launch(tmp_path):
+    # the documented launch: torchrun, gloo on the CPU, only rank 0 writes metrics
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    run_dir = tmp_path / "tr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "experiments.train",
+           "parallel=zero3_ep2", "experiment=smoke", *TINY, f"hydra.run.dir={run_dir}"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ep=2" in p.stdout and p.stdout.count("final val loss") == 1  # rank 0 alone reports
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
 
 
 def test_lr_schedule():
@@ -219,7 +260,8 @@ def test_mistyped_overrides_are_named(override, error, match):
     ("model.n_heads=3", r"TransformerConfig\.n_heads=3"),
     ("train.batch_size=6", r"train\.batch_size=6 must be divisible by dp=1 x train\.grad_accum=4"),
     ("precision=fp8", "precision='fp8'"),
-    ("parallel.zero_stage=2", r"parallel\.zero_stage=2"),
+    ("parallel.zero_stage=5", r"parallel\.zero_stage=5"),
+    ("parallel.zero_offload=true", r"parallel\.zero_offload=true needs parallel\.zero_stage >= 1"),
     ("parallel.ep=2", "ep=2 does not divide dp=1"),
     ("logger.name=tensorboard", "logger.name='tensorboard'"),
 ])
