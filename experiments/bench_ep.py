@@ -11,15 +11,14 @@ Runs on gloo (CPU) or NCCL (GPU) alike; imports no hydra or wandb.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from experiments.launch import free_port, init_rank
 
 
 class MoEStack(nn.Module):
@@ -37,22 +36,11 @@ class MoEStack(nn.Module):
         return self.head(x)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(rank, world, port, args, out_q):
     from moe import MoEConfig
     from zero import Layout, sync_gradients
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    device = init_rank(rank, world, port, timeout_s=300)
     cfg = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
     T = args.tokens_per_rank
     x = torch.randn(T, cfg.d_model, device=device)

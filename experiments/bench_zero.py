@@ -14,9 +14,7 @@ Runs on gloo (CPU) or NCCL (GPU); imports no hydra or wandb.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import time
 
@@ -24,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from experiments.launch import free_port, init_rank
 
 
 class Block(nn.Module):
@@ -48,12 +48,6 @@ class MLP(nn.Module):
 
 
 CONTENDERS = ["DDP", "FSDP2", "Switchyard ZeRO-1", "Switchyard ZeRO-2", "Switchyard ZeRO-3"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _nbytes(tensors) -> int:
@@ -84,12 +78,7 @@ def _run(rank, world, port, args, out_q):
     from zero.engine import ZeroEngine
     from zero.memory import measure_memory
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    device = init_rank(rank, world, port, timeout_s=600)
     layout = Layout.build()
     torch.manual_seed(100 + rank)
     x_TD = torch.randn(args.tokens, args.d_model, device=device)
@@ -102,26 +91,19 @@ def _run(rank, world, port, args, out_q):
     def make(name):
         model = fresh()
         measured = {}
-        if name == "DDP":
-            model = DDP(model)
+        if name in ("DDP", "FSDP2"):
+            if name == "DDP":
+                model = DDP(model)
+            else:
+                for b in model.blocks:
+                    fully_shard(b)
+                fully_shard(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
             def step():
                 nn.functional.mse_loss(model(x_TD), y_TD).backward()
                 opt.step()
                 # gradients count as model states: measure before zero_grad drops them
-                measured["bytes"] = _torch_state_bytes(model, opt)
-                opt.zero_grad()
-            return step, lambda: measured["bytes"]
-        if name == "FSDP2":
-            for b in model.blocks:
-                fully_shard(b)
-            fully_shard(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-            def step():
-                nn.functional.mse_loss(model(x_TD), y_TD).backward()
-                opt.step()
                 measured["bytes"] = _torch_state_bytes(model, opt)
                 opt.zero_grad()
             return step, lambda: measured["bytes"]

@@ -10,19 +10,7 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Test modules import this to run on one intra-op thread. Their tensors are tiny, so a second
-    thread gains nothing, and on a shared, oversubscribed machine every OpenMP/MKL barrier waits
-    for a descheduled thread: a 256-token forward took 10-600 ms with two threads, 3 ms with one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def silu(h):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from moe import MoEConfig
-from tests.naive import one_thread  # noqa: F401  (autouse fixture)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 BASE = dict(d_model=16, d_ff=32)
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.naive import one_thread  # noqa: F401  (autouse fixture)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 from moe import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
 
 

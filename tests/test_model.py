@@ -7,16 +7,9 @@ import torch
 from moe import DenseFFN, MoEConfig, MoELayer
 from moe.model import Transformer, TransformerConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 V, D, F, L = 61, 32, 48, 24  # odd vocabulary and sequence length on purpose
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls: a second OpenMP thread only adds barrier waits on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make(moe_every=1, n_layers=4, E=4, K=2, **kw):

@@ -19,14 +19,15 @@ from torch.utils.checkpoint import checkpoint
 
 import moe
 from moe import MoEConfig, MoELayer
-from tests.naive import (  # one_thread: an autouse fixture
-    one_thread,  # noqa: F401
+from tests.naive import (
     naive_capacity_keep,
     naive_expert_choice,
     naive_moe,
     naive_params,
     naive_weights_for,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 # Max-abs error relative to the reference's max-abs value. fp32: the layer's sums run over at
 # most a few hundred terms, each rounding at ~6e-8, so 2e-5 leaves room without hiding a wrong

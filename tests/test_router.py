@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from moe import MoEConfig, Router, capacity
-from tests.naive import naive_router, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from tests.naive import naive_router
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 VARIANTS = {
     "softmax_renorm": dict(num_experts=7, top_k=2),

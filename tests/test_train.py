@@ -19,20 +19,13 @@ from experiments.data import load_stdlib
 from experiments.train import build_optimizer, lr_at, train
 from tests.dist_utils import free_port, run_distributed
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # shrink whatever a config chooses to seconds of CPU, keeping its structure (groups, flags, ratios)
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "train.steps=2", "train.batch_size=4",
         "train.seq_len=16", "train.eval_batches=1", "train.eval_every=1", "train.log_every=1", "train.progress=false", "optim.warmup_steps=1"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls: a second OpenMP thread only adds barrier waits on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -375,16 +375,6 @@ def test_stage3_holds_at_most_two_gathered_blocks(results_dp4, results_dp2):
             assert stats["prefetches"] > 0, (key, stats)
 
 
-@pytest.fixture
-def one_thread():
-    # the tiny single-process runs are dominated by op overhead; two threads on the two shared
-    # cores only contend with the other processes on the machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def test_single_process_path_matches_adamw(one_thread, monkeypatch):
     # layout None: the reference path itself, every stage, with accumulation and clipping; a
     # prime-sized Adam chunk so the CPU update's chunk boundaries cut through every parameter
