@@ -13,6 +13,13 @@ lowers the fraction.
 The machine is shared, so every layer step is followed by its own 2048^3 matmuls and each pair
 gives one fraction; the table shows the medians over ``--reps`` pairs (layer time, matmul rate and
 fraction each the median of its own column, so fraction need not equal their quotient).
+On a GPU (``--device cuda``, bf16 by default) there is no single "machine rate" to divide by, so
+the layer is timed side by side with a dense SwiGLU FFN of the same matmul FLOPs (D -> k*F -> D on
+the same T tokens), forward + backward: ``dense/layer`` is the dense time over the layer's (1.0: the
+sparse layer costs what its FLOPs cost densely). ``--grouped-mm`` also times the expert computation
+as one ``torch._grouped_mm`` per weight (where this torch has it) against the per-expert loop, after
+checking that both give the same numbers.
+
 Legend: T tokens, K slots, D model dim, F expert hidden dim, E experts, S rows in expert order.
 """
 from __future__ import annotations
@@ -27,11 +34,17 @@ import torch
 
 import routing_kernels as rk
 from moe import MoEConfig, MoELayer
+from moe.experts import DenseFFN
 
 SHAPES = {
     # name: (T, D, F, E, K)
     "S1": (8192, 512, 1024, 8, 2),
     "S2": (8192, 512, 256, 64, 6),
+}
+GPU_SHAPES = {
+    **SHAPES,
+    "mixtral": (16384, 4096, 14336, 8, 2),  # Mixtral-8x7B's expert sizes
+    "fine64": (16384, 2048, 1408, 64, 6),  # DeepSeekMoE-style fine-grained experts
 }
 
 
@@ -175,15 +188,112 @@ def keep_freed_memory() -> None:
         raise RuntimeError("mallopt refused the settings")
 
 
+# --- GPU: the layer against a dense FFN of the same FLOPs ----------------------------------------
+
+
+def _cuda_time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _grouped_mm_probe(T, D, F, E, K, dtype, reps):
+    """The routed experts (SwiGLU, forward + backward) as three ``torch._grouped_mm`` calls each way
+    against GroupedExperts' per-expert loop, on the same rows: max relative difference and times."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch has no _grouped_mm"
+    from moe.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(E, D, F).cuda().to(dtype)
+    counts_E = torch.bincount(torch.randint(0, E, (K * T,), device="cuda"), minlength=E)
+    counts = counts_E.tolist()
+    offs = torch.cumsum(counts_E, 0).to(torch.int32)
+    x = torch.randn(K * T, D, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(K * T, D, device="cuda", dtype=dtype)
+    params = list(experts.parameters())
+
+    def loop():
+        y = experts(x, counts)
+        return y, torch.autograd.grad(y, [x, *params], g)
+
+    def grouped():
+        w1, w3, w2 = experts.w1, experts.w3, experts.w2
+        h1 = torch._grouped_mm(x, w1, offs=offs)
+        h3 = torch._grouped_mm(x, w3, offs=offs)
+        y = torch._grouped_mm(torch.nn.functional.silu(h1) * h3, w2, offs=offs)
+        return y, torch.autograd.grad(y, [x, *params], g)
+
+    try:
+        ya, ga = loop()
+        yb, gb = grouped()
+    except Exception as exc:  # report, do not fail the benchmark: this is a probe
+        return f"_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}"
+    err = max(((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item() for a, b in zip((ya, *ga), (yb, *gb)))
+    t_loop, t_grouped = _cuda_time(loop, reps), _cuda_time(grouped, reps)
+    return f"max rel diff {err:.2e}; per-expert loop {t_loop * 1e3:.2f} ms, _grouped_mm {t_grouped * 1e3:.2f} ms ({t_loop / t_grouped:.2f}x)"
+
+
+def gpu_main(args) -> None:
+    dtype = getattr(torch, args.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.dtype}, median of {args.reps}")
+    rows = []
+    for name in args.shapes:
+        T, D, F, E, K = GPU_SHAPES[name]
+        torch.manual_seed(0)
+        layer = MoELayer(MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K)).cuda().to(dtype)
+        dense = DenseFFN(D, K * F).cuda().to(dtype)
+        x = torch.randn(T, D, device="cuda", dtype=dtype, requires_grad=True)
+        g = torch.randn(T, D, device="cuda", dtype=dtype)
+        t_layer = _cuda_time(lambda: layer_step(layer, x, g), args.reps)
+        t_dense = _cuda_time(lambda: layer_step(dense, x, g), args.reps)
+        flops = ideal_expert_flops(T, D, F, K)
+        probe = _grouped_mm_probe(T, D, F, E, K, dtype, args.reps) if args.grouped_mm else ""
+        rows.append((name, T, D, F, E, K, t_layer, t_dense, flops, probe))
+        del layer, dense, x, g
+        torch.cuda.empty_cache()
+    print()
+    print("| shape | T | D | F | E | k | layer fwd+bwd (ms) | dense FFN, same FLOPs (ms) | dense/layer | layer TFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, T, D, F, E, K, tl, td, flops, _ in rows:
+        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {tl * 1e3:.2f} | {td * 1e3:.2f} | {td / tl:.2f} | {flops / tl / 1e12:.0f} |")
+    if args.grouped_mm:
+        print("\nrouted experts alone, forward + backward, per-expert loop vs torch._grouped_mm:")
+        for name, *_, probe in rows:
+            print(f"  {name}: {probe}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=None, choices=list(GPU_SHAPES), help="default: S1 S2 (CPU), all (GPU)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 (CPU), bfloat16 (GPU)")
+    ap.add_argument("--grouped-mm", action="store_true", help="GPU: also probe torch._grouped_mm for the experts")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's choice)")
     ap.add_argument("--cpu-time", action="store_true", help="time in process CPU time; use with --threads 1 on a busy machine")
     ap.add_argument("--keep-freed-memory", action="store_true", help="glibc: no mmap for large blocks, no trimming (see keep_freed_memory)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA device is visible")
+        args.shapes = args.shapes or list(GPU_SHAPES)
+        args.dtype = args.dtype or "bfloat16"
+        gpu_main(args)
+        return
+    args.shapes = args.shapes or list(SHAPES)
+    if any(s not in SHAPES for s in args.shapes) or args.dtype not in (None, "float32"):
+        ap.error(f"the CPU benchmark runs fp32 at shapes {list(SHAPES)}")
     if args.keep_freed_memory:
         keep_freed_memory()
     if args.threads:

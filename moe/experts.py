@@ -34,9 +34,14 @@ import routing_kernels as rk
 _ROW_BLOCK = 1024
 
 
-def _blocks(counts: list[int]):
+def _row_block(t: torch.Tensor) -> int:
+    # CPU: blocks that keep the elementwise work in cache. GPU: one matmul per expert segment, since
+    # each launch costs microseconds and a GPU matmul needs many rows to fill the machine
+    return _ROW_BLOCK if t.device.type == "cpu" else 1 << 62
+
+
+def _blocks(counts: list[int], block: int):
     """``(expert, first row, end row, first block of this expert?)`` over non-empty segments."""
-    block = _ROW_BLOCK  # read per call, so tests can shrink it to reach the multi-block path
     start = 0
     for e, n in enumerate(counts):
         for a in range(start, start + n, block):
@@ -76,8 +81,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         h1_SF = x_SD.new_empty(S, Fdim)
         h3_SF = x_SD.new_empty(S, Fdim)
         y_SD = x_SD.new_empty(S, w2.shape[2])
-        act_BF = x_SD.new_empty(min(S, _ROW_BLOCK), Fdim)
-        for e, a, b, _ in _blocks(counts):
+        block = _row_block(x_SD)
+        act_BF = x_SD.new_empty(min(S, block), Fdim)
+        for e, a, b, _ in _blocks(counts, block):
             x = x_SD[a:b]
             h1, h3, act = h1_SF[a:b], h3_SF[a:b], act_BF[: b - a]
             torch.mm(x, w1[e], out=h1)
@@ -99,9 +105,10 @@ class _SwiGLUExperts(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         dx_SD = torch.empty_like(x_SD) if need_dx else None
         # three [block, F] scratch buffers, reused by every block
-        rows = min(S, _ROW_BLOCK)
+        block = _row_block(x_SD)
+        rows = min(S, block)
         buf_a, buf_b, buf_c = (h1_SF.new_empty(rows, Fdim) for _ in range(3))
-        for e, a, b, first in _blocks(counts):
+        for e, a, b, first in _blocks(counts, block):
             n = b - a
             x, g, h1, h3 = x_SD[a:b], g_SD[a:b], h1_SF[a:b], h3_SF[a:b]
             dact, silu, tmp = buf_a[:n], buf_b[:n], buf_c[:n]
@@ -130,8 +137,9 @@ class _GeluExperts(torch.autograd.Function):
         S, Fdim = x_SD.shape[0], w1.shape[2]
         h_SF = x_SD.new_empty(S, Fdim)
         y_SD = x_SD.new_empty(S, w2.shape[2])
-        act_BF = x_SD.new_empty(min(S, _ROW_BLOCK), Fdim)
-        for e, a, b, _ in _blocks(counts):
+        block = _row_block(x_SD)
+        act_BF = x_SD.new_empty(min(S, block), Fdim)
+        for e, a, b, _ in _blocks(counts, block):
             h, act = h_SF[a:b], act_BF[: b - a]
             torch.mm(x_SD[a:b], w1[e], out=h)
             _gelu_out(h, out=act)
@@ -149,9 +157,10 @@ class _GeluExperts(torch.autograd.Function):
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
         need_dx = ctx.needs_input_grad[0]
         dx_SD = torch.empty_like(x_SD) if need_dx else None
-        rows = min(S, _ROW_BLOCK)
+        block = _row_block(x_SD)
+        rows = min(S, block)
         buf_a, buf_b = (h_SF.new_empty(rows, Fdim) for _ in range(2))
-        for e, a, b, first in _blocks(counts):
+        for e, a, b, first in _blocks(counts, block):
             n = b - a
             x, g, h = x_SD[a:b], g_SD[a:b], h_SF[a:b]
             dact, act = buf_a[:n], buf_b[:n]
@@ -235,9 +244,10 @@ class _FusedTokenExperts(torch.autograd.Function):
         take = pool.lender(x_TD, Fdim)
         saved_h = []
         out_TD = x_TD.new_zeros(T, D)
-        rows = min(S, _ROW_BLOCK)
+        block = _row_block(x_TD)
+        rows = min(S, block)
         x_BD, y_BD, act_BF = x_TD.new_empty(rows, D), x_TD.new_empty(rows, D), x_TD.new_empty(rows, Fdim)
-        for e, a, b, _ in _blocks(counts):
+        for e, a, b, _ in _blocks(counts, block):
             n = b - a
             src = src_S[a:b]
             x, y, act = x_BD[:n], y_BD[:n], act_BF[:n]
@@ -276,10 +286,11 @@ class _FusedTokenExperts(torch.autograd.Function):
         dw_S = x_TD.new_empty(S) if need_w else None  # dL/d combine weight, row order
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
         dw3 = torch.empty_like(w3) if swiglu else None
-        rows = min(S, _ROW_BLOCK)
+        block = _row_block(x_TD)
+        rows = min(S, block)
         g_BD, dx_BD = x_TD.new_empty(rows, D), x_TD.new_empty(rows, D)
         buf_a, buf_b, buf_c = (x_TD.new_empty(rows, Fdim) for _ in range(3))
-        for e, a, b, first in _blocks(counts):
+        for e, a, b, first in _blocks(counts, block):
             n = b - a
             src = src_S[a:b]
             g, h1 = g_BD[:n], next(saved_h)

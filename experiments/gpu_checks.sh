@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every check and benchmark that needs a GPU, in one run (a lent GPU is billed by the minute):
+#   bash experiments/gpu_checks.sh OUT_DIR
+# Needs torch, triton, einops and pytest only (no hydra, no wandb); runs from the repository root.
+# Each stage has its own time limit, so one that hangs cannot take the others' results with it.
+set -u
+out=${1:?usage: gpu_checks.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+{ nvidia-smi -L; $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/env.log"
+echo "== CUDA tests"; timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
+echo "== MoE layer vs dense FFN"; timeout 120 $py -m experiments.bench_moe_layer --device cuda --grouped-mm --reps 10 2>&1 | tee "$out/bench_moe_layer_gpu.log"
+echo "== routing kernels and fused AdamW"; timeout 240 $py -m experiments.bench_kernels --no-sweep --json "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.log"

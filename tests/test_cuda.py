@@ -1,0 +1,217 @@
+"""The CUDA paths against their CPU runs: Triton kernels at GPU sizes, the MoE layer, fused AdamW,
+a Transformer's training steps and ZeroEngine on a GPU. Skipped where no GPU is visible (CI here);
+run them on a GPU box with ``python -m pytest -q tests/test_cuda.py`` (no hydra or wandb needed).
+
+Tolerances. Row moves (metadata, permute forward) are exact. fp32 on the GPU runs without TF32 (torch's
+default for matmuls), so GPU and CPU differ only by summation order: ~1e-6 relative per op, and
+2e-5 relative / 2e-5 absolute hold for values of size ~1 after a few ops. bf16 results are compared
+with an fp64 run on the same inputs, within a few bf16 ulps (2^-8 relative each): 3e-2.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import routing_kernels as rk
+from moe import MoEConfig, MoELayer
+from moe.experts import GroupedExperts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FP32 = dict(rtol=2e-5, atol=2e-5)
+BF16 = dict(rtol=3e-2, atol=3e-2)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def _ids(T, K, E, skew: bool, gen):
+    if skew:  # half the experts empty, one expert takes most rows
+        ids = torch.randint(0, E // 2, (T, K), generator=gen)
+        ids[: T // 2, 0] = 0
+        # top-k never repeats an expert within a token: shift duplicates onto distinct experts
+        for k in range(1, K):
+            ids[:, k] = (ids[:, 0] + k) % E
+        return ids
+    return torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K]
+
+
+@pytest.mark.parametrize("T,K,E,D", [(4096, 2, 8, 1024), (3001, 6, 64, 520), (17, 1, 4, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("skew", [False, True])
+def test_routing_kernels_on_gpu_match_reference(T, K, E, D, dtype, skew):
+    gen = torch.Generator().manual_seed(T + K + E)
+    ids = _ids(T, K, E, skew, gen).cuda()
+    x = torch.randn(T, D, generator=gen).to("cuda", dtype)
+    w = torch.rand(T, K, generator=gen).cuda()
+    g_out = torch.randn(T, D, generator=gen).to("cuda", dtype)
+    out = {}
+    for backend in ("reference", "triton"):
+        with rk.use_backend(backend):
+            counts, offsets, dest = rk.routing_metadata(ids, E)
+            S = int(counts.sum())
+            xr = x.clone().requires_grad_(True)
+            x_SD = rk.permute(xr, dest, S)
+            y_SD = (x_SD.float() * 1.5).to(dtype)  # a stand-in expert, so combine sees distinct rows
+            wr = w.clone().requires_grad_(True)
+            o = rk.unpermute_combine(y_SD, dest, wr.to(dtype) if dtype != torch.float32 else wr)
+            gx, gw = torch.autograd.grad(o, [xr, wr], g_out)
+            out[backend] = (counts, offsets, dest, x_SD.detach(), o.detach(), gx, gw)
+    ref, tri = out["reference"], out["triton"]
+    for name, a, b in zip(("counts", "offsets", "dest"), tri[:3], ref[:3]):
+        assert torch.equal(a, b), name
+    assert torch.equal(tri[3], ref[3]), "permute must move rows exactly"
+    tol = FP32 if dtype == torch.float32 else BF16
+    for name, a, b in zip(("combine", "grad x", "grad weights"), tri[4:], ref[4:]):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
+
+
+def _run(layer, x, grad):
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    out.backward(grad)
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_experts=8, top_k=2),
+    dict(num_experts=16, top_k=3, activation="gelu", capacity_factor=1.0),
+    dict(num_experts=8, top_k=2, num_shared_experts=1, score_func="sigmoid", capacity_factor=0.5, drop_policy="position"),
+])
+def test_moe_layer_on_gpu_matches_cpu(kw):
+    # the GPU runs routing_metadata/permute/unpermute_combine (Triton) around the grouped experts;
+    # the CPU runs its fused block loop: two different paths to the same numbers
+    torch.manual_seed(0)
+    cfg = MoEConfig(d_model=256, d_ff=384, **kw)
+    cpu = MoELayer(cfg)
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(4, 300, 256)
+    grad = torch.randn(4, 300, 256)
+    out_c, gx_c, grads_c = _run(cpu, x, grad)
+    out_g, gx_g, grads_g = _run(gpu, x.cuda(), grad.cuda())
+    torch.testing.assert_close(out_g.cpu(), out_c, **FP32)
+    torch.testing.assert_close(gx_g.cpu(), gx_c, **FP32)
+    for n in grads_c:
+        torch.testing.assert_close(grads_g[n].cpu(), grads_c[n], **FP32, msg=n)
+    for field in ("aux_loss", "z_loss", "dropped_fraction"):
+        a, b = getattr(gpu.stats, field), getattr(cpu.stats, field)
+        a, b = float(a) if a is not None else None, float(b) if b is not None else None
+        assert (a is None and b is None) or abs(a - b) <= 1e-5 * max(1.0, abs(b)), field
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_experts_bf16_on_gpu_against_fp64(activation):
+    torch.manual_seed(0)
+    E, D, F = 6, 128, 320
+    counts = [500, 0, 1, 777, 64, 1300]
+    experts = GroupedExperts(E, D, F, activation)
+    ref = copy.deepcopy(experts).double()
+    gpu = copy.deepcopy(experts).cuda().bfloat16()
+    x = torch.randn(sum(counts), D)
+    g = torch.randn(sum(counts), D)
+    xg = x.cuda().bfloat16().requires_grad_(True)
+    yg = gpu(xg, counts)
+    grads_g = torch.autograd.grad(yg, [xg, *gpu.parameters()], g.cuda().bfloat16())
+    # the reference sees the same bf16-rounded inputs and weights, in fp64
+    for p, q in zip(ref.parameters(), gpu.parameters()):
+        p.data.copy_(q.detach().double().cpu())
+    xr = xg.detach().double().cpu().requires_grad_(True)
+    yr = ref(xr, counts)
+    grads_r = torch.autograd.grad(yr, [xr, *ref.parameters()], g.bfloat16().double())
+    scale = yr.abs().max()
+    torch.testing.assert_close(yg.double().cpu() / scale, yr / scale, **BF16)
+    for a, b in zip(grads_g, grads_r):
+        s = b.abs().max().clamp_min(1e-12)
+        torch.testing.assert_close(a.double().cpu() / s, b / s, **BF16)
+
+
+def test_fused_adamw_on_gpu_matches_torch():
+    torch.manual_seed(0)
+    shapes = [(1000, 37), (5,), (64, 64, 3)]
+    ours = [torch.randn(s, device="cuda", requires_grad=True) for s in shapes]
+    theirs = [p.detach().clone().requires_grad_(True) for p in ours]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt_a, opt_b = rk.FusedAdamW(ours, **kw), torch.optim.AdamW(theirs, **kw)
+    for _ in range(5):
+        for a, b in zip(ours, theirs):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    for a, b in zip(ours, theirs):
+        # the kernel computes the same formula in fp32, in another operation order: a few ulps per step
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _tiny_transformer(seed=0):
+    from moe.model import Transformer, TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=32,
+                            moe=MoEConfig(d_model=64, d_ff=96, num_experts=4, top_k=2))
+    return Transformer(cfg)
+
+
+def _train(model, steps, device, make_opt):
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 97, (4, 33), generator=gen)] * steps  # one batch: the loss must fall
+    opt = make_opt(model)
+    losses = []
+    for batch in batches:
+        batch = batch.to(device)
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 97), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_transformer_training_on_gpu_matches_cpu():
+    adam = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)  # noqa: E731
+    cpu = _tiny_transformer()
+    gpu = copy.deepcopy(cpu).cuda()
+    lc = _train(cpu, 4, "cpu", adam)
+    lg = _train(gpu, 4, "cuda", adam)
+    # the same routing decisions each step, so the same losses to rounding; a flipped top-k choice
+    # would show as a difference far above this
+    torch.testing.assert_close(torch.tensor(lg), torch.tensor(lc), rtol=1e-4, atol=1e-5)
+    assert lg[-1] < lg[0]
+
+
+@pytest.mark.parametrize("stage,offload,mp", [(3, False, "fp32"), (2, True, "fp32"), (3, False, "bf16")])
+def test_zero_engine_on_gpu_matches_adamw(stage, offload, mp):
+    # one process: no collective runs, but every buffer, gather/free, offload copy and the update
+    # run on CUDA tensors; the multi-rank paths are the gloo tests' (tests/test_zero.py)
+    from zero import ZeroEngine
+
+    ref = _tiny_transformer().cuda()
+    model = copy.deepcopy(ref)
+    engine = ZeroEngine(model, stage=stage, lr=3e-3, weight_decay=0.0, offload=offload, mixed_precision=mp)
+
+    losses_ref = _train(ref, 4, "cuda", lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.0))
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, 97, (4, 33), generator=gen).cuda()
+    losses = []
+    for _ in range(4):
+        logits = engine(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 97), batch[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    tol = dict(rtol=1e-4, atol=1e-5) if mp == "fp32" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), **tol)
+    if mp == "fp32":
+        full = engine.full_parameters()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(full[n].cpu(), p.detach().cpu(), rtol=1e-4, atol=1e-5, msg=n)
