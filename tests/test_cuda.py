@@ -108,17 +108,21 @@ def test_moe_layer_on_gpu_matches_cpu(kw):
         assert (a is None and b is None) or abs(a - b) <= 1e-5 * max(1.0, abs(b)), field
 
 
+@pytest.mark.parametrize("grouped_mm", [None, False])  # None: the default (torch._grouped_mm on sm_90)
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_grouped_experts_bf16_on_gpu_against_fp64(activation):
+def test_grouped_experts_bf16_on_gpu_against_fp64(activation, grouped_mm):
     torch.manual_seed(0)
     E, D, F = 6, 128, 320
-    counts = [500, 0, 1, 777, 64, 1300]
+    counts = [500, 0, 1, 777, 64, 1300]  # an empty expert, a one-row expert, ragged segment ends
     experts = GroupedExperts(E, D, F, activation)
     ref = copy.deepcopy(experts).double()
     gpu = copy.deepcopy(experts).cuda().bfloat16()
+    gpu.grouped_mm = grouped_mm
     x = torch.randn(sum(counts), D)
     g = torch.randn(sum(counts), D)
     xg = x.cuda().bfloat16().requires_grad_(True)
+    if grouped_mm is None:
+        assert gpu.use_grouped_mm(xg) == (torch.cuda.get_device_capability()[0] == 9)
     yg = gpu(xg, counts)
     grads_g = torch.autograd.grad(yg, [xg, *gpu.parameters()], g.cuda().bfloat16())
     # the reference sees the same bf16-rounded inputs and weights, in fp64
@@ -132,6 +136,24 @@ def test_grouped_experts_bf16_on_gpu_against_fp64(activation):
     for a, b in zip(grads_g, grads_r):
         s = b.abs().max().clamp_min(1e-12)
         torch.testing.assert_close(a.double().cpu() / s, b / s, **BF16)
+
+
+def test_moe_layer_bf16_grouped_mm_matches_loop_on_gpu():
+    # the whole bf16 layer with the experts as torch._grouped_mm and as the per-expert loop: same
+    # routing (same inputs, same router), and the experts agree to bf16 rounding of their sums
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(d_model=256, d_ff=384, num_experts=16, top_k=4)).cuda().bfloat16()
+    x = torch.randn(1000, 256, device="cuda").bfloat16()
+    grad = torch.randn(1000, 256, device="cuda").bfloat16()
+    layer.experts.grouped_mm = True
+    out_a, gx_a, grads_a = _run(layer, x, grad)
+    layer.experts.grouped_mm = False
+    out_b, gx_b, grads_b = _run(layer, x, grad)
+    torch.testing.assert_close(out_a.float(), out_b.float(), **BF16)
+    torch.testing.assert_close(gx_a.float(), gx_b.float(), **BF16)
+    for n in grads_a:
+        s = grads_b[n].float().abs().max()
+        torch.testing.assert_close(grads_a[n].float() / s, grads_b[n].float() / s, **BF16, msg=n)
 
 
 def test_fused_adamw_on_gpu_matches_torch():

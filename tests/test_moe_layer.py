@@ -163,6 +163,21 @@ def test_matches_naive_in_small_blocks(name, fused, monkeypatch):
     check_against_naive(layer, torch.randn(shape), torch.float32, name)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position"])
+def test_grouped_mm_path_matches_naive(name):
+    # the GPU's bf16 path (one torch._grouped_mm per weight), forced on here where torch runs it on the
+    # CPU: same routing, same numbers, empty experts included (fewer tokens than experts)
+    shape, kw = CASES[name]
+    layer = make(no_aux(d_model=shape[-1], **kw))
+    layer.dispatcher = moe.LocalDispatcher(fused=False)
+    layer.experts.grouped_mm = True
+    x = torch.randn(shape)
+    assert layer.experts.use_grouped_mm(x.reshape(-1, shape[-1]))
+    torch.manual_seed(1)
+    check_against_naive(layer, torch.randn(shape), torch.float32, name)
+
+
 @pytest.mark.parametrize("name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position", "expert_choice"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unfused_dispatch_matches_naive(name, dtype):
