@@ -45,11 +45,15 @@ def _row_block(t: torch.Tensor) -> int:
 
 
 def _blocks(counts: list[int], block: int):
-    """``(expert, first row, end row, first block of this expert?)`` over non-empty segments."""
+    """``(expert, first row, end row, first block of this expert?)`` over non-empty segments.
+
+    A segment longer than ``block`` is cut into equal parts of at most ``block`` rows (2100 rows
+    with blocks of 2048: 1050 + 1050, not 2048 + 52, whose thin matmuls would run far slower)."""
     start = 0
     for e, n in enumerate(counts):
-        for a in range(start, start + n, block):
-            yield e, a, min(a + block, start + n), a == start
+        parts = -(-n // block)
+        for i in range(parts):
+            yield e, start + n * i // parts, start + n * (i + 1) // parts, i == 0
         start += n
 
 
@@ -80,7 +84,7 @@ class _SwiGLUExperts(torch.autograd.Function):
     y = act w2. The backward recomputes act block by block from h1, h3 instead of saving it."""
 
     @staticmethod
-    def forward(ctx, x_SD, w1, w3, w2, counts):
+    def forward(ctx, x_SD, w1, w3, w2, counts, pool):
         S, Fdim = x_SD.shape[0], w1.shape[2]
         h1_SF = x_SD.new_empty(S, Fdim)
         h3_SF = x_SD.new_empty(S, Fdim)
@@ -97,6 +101,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             torch.mm(act, w2[e], out=y_SD[a:b])
         ctx.save_for_backward(x_SD, w1, w3, w2, h1_SF, h3_SF)
         ctx.counts = counts
+        ctx.pool = pool
         return y_SD
 
     @staticmethod
@@ -105,7 +110,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         counts = ctx.counts
         g_SD = g_SD.contiguous()
         S, Fdim = h1_SF.shape
-        dw1, dw3, dw2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)
+        # weight gradients from the pool (fixed shapes); rows in expert order change with every step
+        dw1, dw3, dw2 = (ctx.pool.empty(f"dw{i}", w.shape, w) for i, w in ((1, w1), (3, w3), (2, w2)))
         need_dx = ctx.needs_input_grad[0]
         dx_SD = torch.empty_like(x_SD) if need_dx else None
         # three [block, F] scratch buffers, reused by every block
@@ -132,12 +138,12 @@ class _SwiGLUExperts(torch.autograd.Function):
                 dx.addmm_(dh3, w3[e].t())
         for grad in (dw1, dw3, dw2):
             _zero_empty(grad, counts)
-        return dx_SD, dw1, dw3, dw2, None
+        return dx_SD, dw1, dw3, dw2, None, None
 
 
 class _GeluExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_SD, w1, w2, counts):
+    def forward(ctx, x_SD, w1, w2, counts, pool):
         S, Fdim = x_SD.shape[0], w1.shape[2]
         h_SF = x_SD.new_empty(S, Fdim)
         y_SD = x_SD.new_empty(S, w2.shape[2])
@@ -150,6 +156,7 @@ class _GeluExperts(torch.autograd.Function):
             torch.mm(act, w2[e], out=y_SD[a:b])
         ctx.save_for_backward(x_SD, w1, w2, h_SF)
         ctx.counts = counts
+        ctx.pool = pool
         return y_SD
 
     @staticmethod
@@ -158,7 +165,7 @@ class _GeluExperts(torch.autograd.Function):
         counts = ctx.counts
         g_SD = g_SD.contiguous()
         S, Fdim = h_SF.shape
-        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        dw1, dw2 = ctx.pool.empty("dw1", w1.shape, w1), ctx.pool.empty("dw2", w2.shape, w2)
         need_dx = ctx.needs_input_grad[0]
         dx_SD = torch.empty_like(x_SD) if need_dx else None
         block = _row_block(x_SD)
@@ -177,48 +184,59 @@ class _GeluExperts(torch.autograd.Function):
                 torch.mm(act, w1[e].t(), out=dx_SD[a:b])
         for grad in (dw1, dw2):
             _zero_empty(grad, counts)
-        return dx_SD, dw1, dw2, None
+        return dx_SD, dw1, dw2, None, None
 
 
-# below this a block comes straight from the heap: glibc reuses small freed blocks without faults,
+# below this a buffer comes straight from the heap: glibc reuses small freed blocks without faults,
 # and pooling them only takes memory the step's other temporaries would have reused (measured:
-# pooling 1 MB blocks at S2 raised faults per step from 25k to 37k; 4 MB blocks at S1 cut 58k to 25k)
-_POOL_MIN_BYTES = 2 << 20
+# pooling 1 MB saved blocks at S2 raised faults per step from 25k to 37k; 4 MB ones at S1 cut 58k to 25k)
+_POOL_MIN_BYTES = 1 << 20
+_HAS_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
 
 
-class _SavedBlockPool:
-    """[_ROW_BLOCK, F] buffers for the pre-activations the fused experts save, kept across steps.
+class _BufferPool:
+    """The fused CPU path's large buffers, kept from step to step: a small caching allocator.
 
-    Fresh memory for them costs a page fault per 4 KB on first touch, every step: glibc returns
-    freed heap to the OS (trimming) and maps large blocks anew, ~30k faults at S1, several percent
-    of the step. Each block is lent as a view of a pooled buffer, and a buffer is lent again only
-    when nothing but the pool refers to its storage: once autograd has released what it saved
-    (after the backward, or when the graph is dropped). A graph kept with ``retain_graph`` keeps
-    its buffers. Holds the peak of saved pre-activations, as a caching allocator would.
+    Fresh memory costs a page fault per 4 KB on first touch (2.2 us each here), every step: glibc
+    maps blocks above its threshold (at most 32 MB) anew and returns freed heap to the OS. A step at
+    S2 (E=64, D=512, F=256) touched 130 MB of fresh pages, ~30k faults, 5% of its time: weight
+    gradients (dropped by ``zero_grad(set_to_none=True)``, torch's default), the output and input
+    gradient, the saved pre-activations and the block scratch buffers. CUDA has its caching
+    allocator; here each buffer of a named slot is lent as a view, and lent again only when nothing
+    but the pool refers to its storage any more (autograd released what it saved, the training loop
+    dropped ``p.grad``, the caller dropped the output). A kept graph (``retain_graph``) or a kept
+    gradient keeps its buffers. A slot keeps as many buffers as were in use at once; one asked for
+    a new shape drops its free buffers of other shapes, so a changing batch size does not pile up.
     """
 
     def __init__(self):
-        self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when only we hold it)
+        self._slots: dict[str, list[tuple[torch.Tensor, int]]] = {}  # slot -> [(buffer, use count when only we hold it)]
 
     @staticmethod
     def _use_count(t: torch.Tensor) -> int:
         return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
-    def lender(self, like: torch.Tensor, cols: int):
-        """A function ``rows -> [rows, cols] tensor``, drawing on the buffers free right now."""
-        small = _ROW_BLOCK * cols * like.element_size() < _POOL_MIN_BYTES
-        if small or like.device.type != "cpu" or not hasattr(torch._C, "_storage_Use_Count"):
-            return lambda rows: like.new_empty(rows, cols)
-        free = [b for b, base in self._buffers if b.dtype == like.dtype and b.shape[1] == cols and b.shape[0] == _ROW_BLOCK and self._use_count(b) == base]
+    def empty(self, slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised contiguous tensor of ``shape`` and ``like``'s dtype and device."""
+        shape = torch.Size(shape)
+        if like.device.type != "cpu" or not _HAS_USE_COUNT or shape.numel() * like.element_size() < _POOL_MIN_BYTES:
+            return like.new_empty(shape)
+        held = self._slots.setdefault(slot, [])
+        keep = []
+        for buf, base in held:
+            free = self._use_count(buf) == base
+            if free and buf.shape == shape and buf.dtype == like.dtype:
+                return buf.view(shape)
+            if not free:
+                keep.append((buf, base))
+        buf = like.new_empty(shape)
+        keep.append((buf, self._use_count(buf)))
+        self._slots[slot] = keep
+        return buf.view(shape)
 
-        def take(rows: int) -> torch.Tensor:
-            if free:
-                return free.pop()[:rows]
-            buf = like.new_empty(_ROW_BLOCK, cols)
-            self._buffers.append((buf, self._use_count(buf)))
-            return buf[:rows]
-
-        return take
+    def block(self, slot: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """``[rows, cols]`` with ``rows <= _ROW_BLOCK``: the first rows of a ``[_ROW_BLOCK, cols]`` buffer."""
+        return self.empty(slot, (_ROW_BLOCK, cols), like)[:rows] if rows <= _ROW_BLOCK else like.new_empty(rows, cols)
 
 
 class _FusedTokenExperts(torch.autograd.Function):
@@ -230,7 +248,7 @@ class _FusedTokenExperts(torch.autograd.Function):
     (rows in expert order, their outputs, their gradients): at S = 49152, D = 512 each would be
     100 MB of fresh, page-faulting memory. The combine-weight gradient ``<y_s, g_t>`` is taken as
     ``<act_s, g_t @ w2^T>``, both of which the backward has in cache, so y is never stored.
-    Only h1 (and h3) are saved, as in ``_SwiGLUExperts``, one tensor per block.
+    Only h1 (and h3) are saved, as in ``_SwiGLUExperts``.
     """
 
     @staticmethod
@@ -244,24 +262,23 @@ class _FusedTokenExperts(torch.autograd.Function):
         src_S = rk.source_tokens(dest_TK, S)
         w_S = torch.empty(S, dtype=x_TD.dtype, device=x_TD.device)  # combine weights in row order
         w_S[kept] = weights_TK.reshape(-1)[valid].to(x_TD.dtype)
-        # h1 (and h3) are saved block by block, in buffers the pool keeps from step to step
-        take = pool.lender(x_TD, Fdim)
-        saved_h = []
-        out_TD = x_TD.new_zeros(T, D)
+        # h1 (and h3) are saved, in buffers the pool keeps from step to step (dropless: S = k*T,
+        # the same shape every step)
+        h1_SF = pool.empty("h1", (S, Fdim), x_TD)
+        h3_SF = pool.empty("h3", (S, Fdim), x_TD) if swiglu else None
+        out_TD = pool.empty("out", (T, D), x_TD).zero_()
         block = _row_block(x_TD)
         rows = min(S, block)
-        x_BD, y_BD, act_BF = x_TD.new_empty(rows, D), x_TD.new_empty(rows, D), x_TD.new_empty(rows, Fdim)
+        x_BD, y_BD, act_BF = pool.block("x", rows, D, x_TD), pool.block("y", rows, D, x_TD), pool.block("act", rows, Fdim, x_TD)
         for e, a, b, _ in _blocks(counts, block):
             n = b - a
             src = src_S[a:b]
             x, y, act = x_BD[:n], y_BD[:n], act_BF[:n]
-            h1 = take(n)
-            saved_h.append(h1)
+            h1 = h1_SF[a:b]
             torch.index_select(x_TD, 0, src, out=x)
             torch.mm(x, w1[e], out=h1)
             if swiglu:
-                h3 = take(n)
-                saved_h.append(h3)
+                h3 = h3_SF[a:b]
                 torch.mm(x, w3[e], out=h3)
                 _silu_out(h1, out=act)
                 act.mul_(h3)
@@ -271,44 +288,48 @@ class _FusedTokenExperts(torch.autograd.Function):
             y.mul_(w_S[a:b].unsqueeze(1))
             # a token appears at most once per expert, so the rows of one block never collide
             out_TD.index_add_(0, src, y)
-        ctx.save_for_backward(x_TD, w1, w3, w2, src_S, w_S, dest_TK, *saved_h)
+        ctx.save_for_backward(x_TD, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF)
         ctx.counts = counts
+        ctx.pool = pool
         ctx.weights_dtype = weights_TK.dtype
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        x_TD, w1, w3, w2, src_S, w_S, dest_TK, *saved_h = ctx.saved_tensors
+        x_TD, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF = ctx.saved_tensors
         counts = ctx.counts
         swiglu = w3 is not None
-        saved_h = iter(saved_h)
         grad_TD = grad_TD.contiguous()
         T, D = x_TD.shape
         S, Fdim = src_S.shape[0], w1.shape[2]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx_TD = torch.zeros_like(x_TD) if need_x else None
+        pool = ctx.pool
+        dx_TD = pool.empty("dx", (T, D), x_TD).zero_() if need_x else None
         dw_S = x_TD.new_empty(S) if need_w else None  # dL/d combine weight, row order
-        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        dw3 = torch.empty_like(w3) if swiglu else None
+        # weight gradients: the view lent becomes p.grad itself (autograd adopts a gradient that
+        # nothing else refers to), so its buffer is lent again once the training loop drops p.grad
+        dw1, dw2 = pool.empty("dw1", w1.shape, w1), pool.empty("dw2", w2.shape, w2)
+        dw3 = pool.empty("dw3", w3.shape, w3) if swiglu else None
         block = _row_block(x_TD)
         rows = min(S, block)
-        g_BD, dx_BD = x_TD.new_empty(rows, D), x_TD.new_empty(rows, D)
-        buf_a, buf_b, buf_c = (x_TD.new_empty(rows, Fdim) for _ in range(3))
+        g_BD, dx_BD = pool.block("g", rows, D, x_TD), pool.block("dx_block", rows, D, x_TD)
+        buf_a, buf_b, buf_c, buf_d = (pool.block(f"scratch{i}", rows, Fdim, x_TD) for i in range(4))
         for e, a, b, first in _blocks(counts, block):
             n = b - a
             src = src_S[a:b]
-            g, h1 = g_BD[:n], next(saved_h)
+            g, h1 = g_BD[:n], h1_SF[a:b]
             dact, silu, act = buf_a[:n], buf_b[:n], buf_c[:n]
             torch.index_select(grad_TD, 0, src, out=g)  # dL/d(w * y) of each row
             torch.mm(g, w2[e].t(), out=dact)  # dL/d act, per unit weight
             if swiglu:
-                h3 = next(saved_h)
+                h3 = h3_SF[a:b]
                 _silu_out(h1, out=silu)
                 torch.mul(silu, h3, out=act)
             else:
                 _gelu_out(h1, out=act)
             if need_w:
-                torch.bmm(act.unsqueeze(1), dact.unsqueeze(2), out=dw_S[a:b].view(n, 1, 1))
+                # row-wise <act, dact>: a product and a row sum run 3x faster than a batched [1, F] x [F, 1] bmm
+                torch.sum(torch.mul(act, dact, out=buf_d[:n]), dim=1, out=dw_S[a:b])
             w = w_S[a:b].unsqueeze(1)
             g.mul_(w)
             dact.mul_(w)
@@ -354,7 +375,7 @@ class GroupedExperts(nn.Module):
         self.expert_offset = expert_offset
         self.num_global = num_local if num_global is None else num_global
         self.activation = activation
-        self._saved_pool = _SavedBlockPool()  # not state: buffers reused by the fused CPU path
+        self._pool = _BufferPool()  # not state: buffers reused by the fused CPU path
         self.grouped_mm: bool | None = None  # see use_grouped_mm
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
         if activation == "swiglu":
@@ -417,8 +438,8 @@ class GroupedExperts(nn.Module):
         if self.use_grouped_mm(x_SD):
             return self._grouped_forward(x_SD, counts)
         if self.activation == "swiglu":
-            return _SwiGLUExperts.apply(x_SD, self.w1, self.w3, self.w2, counts)
-        return _GeluExperts.apply(x_SD, self.w1, self.w2, counts)
+            return _SwiGLUExperts.apply(x_SD, self.w1, self.w3, self.w2, counts, self._pool)
+        return _GeluExperts.apply(x_SD, self.w1, self.w2, counts, self._pool)
 
     def forward_tokens(self, x_TD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``unpermute_combine(self(permute(x_TD)), dest_TK, weights_TK)`` in one pass per row block,
@@ -426,7 +447,7 @@ class GroupedExperts(nn.Module):
         ``routing_metadata``. The CPU path of the local dispatcher."""
         if len(counts) != self.num_local:
             raise ValueError(f"got {len(counts)} segment counts for {self.num_local} local experts")
-        return _FusedTokenExperts.apply(x_TD.contiguous(), weights_TK, self.w1, self.w3, self.w2, dest_TK, counts, self._saved_pool)
+        return _FusedTokenExperts.apply(x_TD.contiguous(), weights_TK, self.w1, self.w3, self.w2, dest_TK, counts, self._pool)
 
 
 class DenseFFN(nn.Module):
