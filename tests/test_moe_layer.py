@@ -163,6 +163,76 @@ def test_matches_naive_in_small_blocks(name, fused, monkeypatch):
     check_against_naive(layer, torch.randn(shape), torch.float32, name)
 
 
+@pytest.fixture
+def lanes(monkeypatch):
+    """Two intra-op threads, and lanes for any size and balance: the CPU path then runs its experts
+    in two parallel lanes (moe.experts._lane_plan), whatever the routing. Yields the plans used."""
+    import moe.experts
+
+    monkeypatch.setattr(moe.experts, "_LANE_MIN_MACS", 0)
+    monkeypatch.setattr(moe.experts, "_LANE_MAX_IMBALANCE", float("inf"))
+    plans = []
+    real = moe.experts._lane_plan
+
+    def spy(*args):
+        plans.append(real(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(moe.experts, "_lane_plan", spy)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield plans
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name", ["odd", "k_eq_E", "3d_input", "gelu_shared", "capacity_probs", "expert_choice", "fewer_tokens_than_experts"])
+def test_lanes_match_naive(name, lanes):
+    shape, kw = CASES[name]
+    layer = make(no_aux(d_model=shape[-1], **kw))
+    torch.manual_seed(1)
+    check_against_naive(layer, torch.randn(shape), torch.float32, name)
+    assert lanes and all(len(plan) == 2 for plan in lanes), f"ran in lanes {lanes}"
+    # every expert with rows is in exactly one lane
+    for plan in lanes:
+        flat = sorted(e for lane in plan for e in lane)
+        assert flat == sorted(set(flat))
+
+
+def test_lanes_same_bits_and_errors_surface(lanes, monkeypatch):
+    import moe.experts
+
+    shape, kw = CASES["odd"]
+    layer = make(MoEConfig(d_model=shape[-1], **kw))
+    x, grad = torch.randn(shape), torch.randn(shape)
+    first, second = run_layer(layer, x, grad), run_layer(layer, x, grad)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for n in first[2]:
+        assert torch.equal(first[2][n], second[2][n]), n
+    # a failure inside a lane (worker thread) reaches the caller, and the next call works
+    real = moe.experts._silu_out
+    monkeypatch.setattr(moe.experts, "_silu_out", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("lane failure")))
+    with pytest.raises(RuntimeError, match="lane failure"):
+        layer(x)
+    monkeypatch.setattr(moe.experts, "_silu_out", real)
+    assert torch.equal(run_layer(layer, x, grad)[0], first[0])
+
+
+def test_lane_plan_balances_rows_and_falls_back():
+    import moe.experts
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.empty(1, 512)
+        plan = moe.experts._lane_plan([2100, 1900, 2000, 2050, 1950, 2000, 2020, 1980], x, 1024)
+        loads = [sum([2100, 1900, 2000, 2050, 1950, 2000, 2020, 1980][e] for e in lane) for lane in plan]
+        assert len(plan) == 2 and max(loads) - min(loads) <= 200
+        assert len(moe.experts._lane_plan([9000, 100, 100, 100], x, 1024)) == 1  # one hot expert
+        assert len(moe.experts._lane_plan([3, 2, 1, 0], x, 1024)) == 1  # too little work to hand off
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
 @pytest.mark.parametrize("name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position"])
 def test_grouped_mm_path_matches_naive(name):
