@@ -10,9 +10,10 @@ two backward matmuls (data and weight gradient), with A = k*T assignments (SwiGL
 Everything else the layer does (router, permutation, elementwise work, losses) is overhead that
 lowers the fraction.
 
-The machine is shared, so every layer step is followed by its own 2048^3 matmuls and each pair
-gives one fraction; the table shows the medians over ``--reps`` pairs (layer time, matmul rate and
-fraction each the median of its own column, so fraction need not equal their quotient).
+The machine is shared, so every layer step is preceded by its own 2048^3 matmuls (after a rest,
+see ``measure_side_by_side``) and each pair gives one fraction; the table shows the medians over
+``--reps`` pairs (layer time, matmul rate and fraction each the median of its own column, so
+fraction need not equal their quotient).
 On a GPU (``--device cuda``, bf16 by default) there is no single "machine rate" to divide by, so
 the layer is timed side by side with a dense SwiGLU FFN of the same matmul FLOPs (D -> k*F -> D on
 the same T tokens), forward + backward: ``dense/layer`` is the dense time over the layer's (1.0: the
@@ -64,24 +65,29 @@ def _median_time(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048):
-    """Alternate one layer step with three n^3 matmuls, ``reps`` times; each pair gives one
+def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048, rest: float = 2.0):
+    """Alternate three n^3 matmuls with one layer step, ``reps`` times; each pair gives one
     fraction, so a neighbour's load that slows both for a while cancels in the ratio. Returns the
-    medians of layer time, matmul rate and fraction."""
+    medians of layer time, matmul rate and fraction.
+
+    Each pair starts after ``rest`` seconds idle, matmuls first: on the shared machine a matmul run
+    within ~1 s after a step that kept both cores busy measured up to 10% slower (a throttle that
+    fades within 2 s), which would flatter the layer. Rested, the matmul rate is the machine's best."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
     layer_step(layer, x_TD, grad_TD)
     torch.mm(a, b, out=c)
     times, rates, fracs = [], [], []
     for _ in range(reps):
-        t0 = _clock()
-        layer_step(layer, x_TD, grad_TD)
-        t_layer = _clock() - t0
+        time.sleep(rest)
         mm = []
         for _ in range(3):
             t0 = _clock()
             torch.mm(a, b, out=c)
             mm.append(_clock() - t0)
+        t0 = _clock()
+        layer_step(layer, x_TD, grad_TD)
+        t_layer = _clock() - t0
         rate = 2 * n**3 / statistics.median(mm)
         times.append(t_layer)
         rates.append(rate)
@@ -273,6 +279,7 @@ def main(argv=None):
     ap.add_argument("--grouped-mm", action="store_true", help="GPU: also probe torch._grouped_mm for the experts")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
+    ap.add_argument("--rest", type=float, default=2.0, help="seconds idle before each matmul + layer pair (see measure_side_by_side)")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's choice)")
     ap.add_argument("--cpu-time", action="store_true", help="time in process CPU time; use with --threads 1 on a busy machine")
     ap.add_argument("--keep-freed-memory", action="store_true", help="glibc: no mmap for large blocks, no trimming (see keep_freed_memory)")
@@ -307,7 +314,7 @@ def main(argv=None):
         T, D, F, E, K = SHAPES[name]
         layer, x_TD, grad_TD = make_layer(T, D, F, E, K)
         flops = ideal_expert_flops(T, D, F, K)
-        t_layer, rate, frac = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps)
+        t_layer, rate, frac = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps, rest=args.rest)
         faults = page_faults(lambda: layer_step(layer, x_TD, grad_TD))
         rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, faults))
         del layer, x_TD, grad_TD

@@ -18,7 +18,9 @@ On a Hopper GPU in bf16, ``forward`` runs the experts as one ``torch._grouped_mm
 Two entry points: ``GroupedExperts.forward(x_SD, counts)`` on rows already in expert order (CUDA
 and expert parallelism, between ``routing_kernels.permute`` and ``unpermute_combine``), and
 ``forward_tokens``, which folds the permutation and the weighted combine into the same block loop
-(the local CPU path, ``LocalDispatcher``).
+(the local CPU path, ``LocalDispatcher``). The CPU path runs groups of experts in parallel "lanes"
+(one worker thread with one intra-op thread each) and keeps its large buffers in a pool from step to
+step (``_BufferPool``); both are explained where they are defined.
 """
 from __future__ import annotations
 
@@ -250,12 +252,15 @@ class _BufferPool:
 # cores' worth of BLAS threading and every elementwise op ends in a barrier; giving each thread whole
 # experts instead ("lanes", one intra-op thread each) keeps both cores busy without a barrier per op.
 # Measured on the 2-core benchmark machine, matmuls alone in the layer's order: 0.81 -> 0.88 of the
-# 2048^3 rate at S1 and 0.74 -> 0.99 at S2. Each lane adds into its own token-ordered output (lane 0
-# into the real one), summed in lane order afterwards, so results do not depend on thread timing.
+# 2048^3 rate at S1 and 0.74 -> 0.99 at S2; the whole layer gains less (3-4%, below), since the
+# lanes wait for the slower core. Each lane adds into its own token-ordered output (lane 0 into the
+# real one), summed in lane order afterwards, so results do not depend on thread timing.
 
-# below this much expert work (rows x D x F multiply-adds) a call stays on the calling thread: handing
-# work to the lane threads costs ~0.1 ms
-_LANE_MIN_MACS = 1 << 24
+# below this much work per matmul (rows per expert, at most a block, x D x F multiply-adds; ~0.5 ms
+# on one core) a call stays on the calling thread: the lanes' Python between ops then contends for
+# the GIL. Measured, lanes against one thread on every op, 20-30 alternating steps: S1 -3%,
+# S2 -4%, but a 2048-token D=64, F=256, E=8 layer (8M per matmul) +32%
+_LANE_MIN_MACS = 1 << 25
 _MAX_LANES = 8  # each lane beyond the first holds a [T, D] output and its own block buffers
 _LANE_MAX_IMBALANCE = 1.25  # rows of the busiest lane over the mean, beyond which one lane runs
 _lane_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, executor)
@@ -266,9 +271,10 @@ def _lane_plan(counts: list[int], x: torch.Tensor, d_ff: int) -> list[list[int]]
     thread, all intra-op threads on each op) when the work is small, on a GPU, with one thread, or
     when one hot expert would leave the other lanes idle."""
     everyone = [list(range(len(counts)))]
-    lanes = min(torch.get_num_threads(), _MAX_LANES, sum(1 for c in counts if c))
+    busy = sum(1 for c in counts if c)
+    lanes = min(torch.get_num_threads(), _MAX_LANES, busy)
     S = sum(counts)
-    if x.device.type != "cpu" or lanes < 2 or S * x.shape[1] * d_ff < _LANE_MIN_MACS:
+    if x.device.type != "cpu" or lanes < 2 or min(S / busy, _ROW_BLOCK) * x.shape[1] * d_ff < _LANE_MIN_MACS:
         return everyone
     loads, plan = [0] * lanes, [[] for _ in range(lanes)]
     for e in sorted(range(len(counts)), key=lambda e: -counts[e]):  # largest first, to the lightest lane

@@ -229,6 +229,8 @@ def test_lane_plan_balances_rows_and_falls_back():
         assert len(plan) == 2 and max(loads) - min(loads) <= 200
         assert len(moe.experts._lane_plan([9000, 100, 100, 100], x, 1024)) == 1  # one hot expert
         assert len(moe.experts._lane_plan([3, 2, 1, 0], x, 1024)) == 1  # too little work to hand off
+        # small matmuls (512 rows x 64 x 256 per expert): the lanes' Python would contend for the GIL
+        assert len(moe.experts._lane_plan([512] * 8, torch.empty(1, 64), 256)) == 1
     finally:
         torch.set_num_threads(n)
 
