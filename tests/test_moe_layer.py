@@ -579,3 +579,22 @@ def test_parameter_layout():
     y = layer.experts(x, [0, 0, 0, 6, 0])
     ref = (F.silu(x @ layer.experts.w1[e]) * (x @ layer.experts.w3[e])) @ layer.experts.w2[e]
     torch.testing.assert_close(y, ref)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_lanes_under_activation_checkpointing(reentrant, lanes):
+    # the recompute runs the lanes again inside the backward pass (on autograd's thread): the same
+    # ops in the same lanes, so gradients are bit-identical to the run without checkpointing
+    cfg = MoEConfig(d_model=16, d_ff=20, num_experts=6, top_k=2)
+    layer = make(cfg)
+    x, g = torch.randn(3, 11, 16), torch.randn(3, 11, 16)
+    out, gx, grads = run_layer(layer, x, g)
+    ck = copy.deepcopy(layer)
+    ck.zero_grad(set_to_none=True)
+    xc = x.clone().requires_grad_(True)
+    out_c = checkpoint(ck, xc, use_reentrant=reentrant)
+    out_c.backward(g)
+    assert torch.equal(out_c.detach(), out) and torch.equal(xc.grad, gx)
+    for name, p in ck.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name
+    assert lanes and all(len(plan) == 2 for plan in lanes)
