@@ -28,6 +28,7 @@ import concurrent.futures
 import itertools
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -286,6 +287,13 @@ def _lane_plan(counts: list[int], x: torch.Tensor, d_ff: int) -> list[list[int]]
     return [sorted(p) for p in plan]
 
 
+def _init_lane_thread() -> None:
+    torch.set_num_threads(1)
+    # a thread adopts the process-wide default lazily, on its first parallel op: latch 1 now, while
+    # the default is 1 (_run_lanes restores the default once every lane thread has started)
+    torch.get_num_threads()
+
+
 def _lane_call(fn, i: int) -> None:
     with torch.no_grad():  # grad mode is per thread; the lanes only fill buffers
         fn(i)
@@ -300,7 +308,17 @@ def _run_lanes(fn, lanes: int) -> None:
     global _lane_pool
     pid = os.getpid()
     if _lane_pool is None or _lane_pool[0] != pid or _lane_pool[1] < lanes:  # new after a fork too
-        _lane_pool = (pid, lanes, ThreadPoolExecutor(lanes, thread_name_prefix="moe-lane", initializer=torch.set_num_threads, initargs=(1,)))
+        if _lane_pool is not None and _lane_pool[0] == pid:
+            _lane_pool[2].shutdown(wait=False)
+        # torch.set_num_threads(1) in a lane thread also sets the default every thread started later
+        # adopts: start all lane threads, then give the default back
+        previous = torch.get_num_threads()
+        executor = ThreadPoolExecutor(lanes, thread_name_prefix="moe-lane", initializer=_init_lane_thread)
+        started = threading.Barrier(lanes)
+        for f in [executor.submit(started.wait, 60.0) for _ in range(lanes)]:
+            f.result()
+        torch.set_num_threads(previous)
+        _lane_pool = (pid, lanes, executor)
     futures = [_lane_pool[2].submit(_lane_call, fn, i) for i in range(lanes)]
     concurrent.futures.wait(futures)
     for f in futures:

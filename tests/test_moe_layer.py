@@ -598,3 +598,29 @@ def test_lanes_under_activation_checkpointing(reentrant, lanes):
     for name, p in ck.named_parameters():
         assert torch.equal(p.grad, grads[name]), name
     assert lanes and all(len(plan) == 2 for plan in lanes)
+
+
+def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
+    # lane threads run one intra-op thread each; threads the program starts later must still get
+    # the process's setting (torch.set_num_threads in a thread also sets their default)
+    import threading
+
+    import moe.experts
+
+    monkeypatch.setattr(moe.experts, "_lane_pool", None)  # a fresh pool: its start-up is under test
+    shape, kw = CASES["odd"]
+    layer = make(MoEConfig(d_model=shape[-1], **kw))
+    layer(torch.randn(shape)).sum().backward()
+    assert lanes and len(lanes[0]) == 2
+    seen = {}
+
+    def probe():
+        torch.ones(100_000).sum()
+        seen["threads"] = torch.get_num_threads()
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen["threads"] == torch.get_num_threads() == 2
+    lane_threads = moe.experts._lane_pool[2].submit(torch.get_num_threads).result()
+    assert lane_threads == 1
