@@ -59,10 +59,15 @@ def _time_cuda(fn, rep_ms: int = 200) -> float:
         return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
     except ImportError:
         pass
+    return cuda_event_median(fn, 20)
+
+
+def cuda_event_median(fn, reps: int) -> float:
+    """Median seconds per call over ``reps`` calls after one warm-up, timed with CUDA events."""
     fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(20):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

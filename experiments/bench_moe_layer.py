@@ -36,6 +36,7 @@ import torch
 import routing_kernels as rk
 from moe import MoEConfig, MoELayer
 from moe.experts import DenseFFN
+from experiments.bench_kernels import cuda_event_median
 
 SHAPES = {
     # name: (T, D, F, E, K)
@@ -197,20 +198,6 @@ def keep_freed_memory() -> None:
 # --- GPU: the layer against a dense FFN of the same FLOPs ----------------------------------------
 
 
-def _cuda_time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def _grouped_mm_probe(T, D, F, E, K, dtype, reps):
     """The routed experts alone (SwiGLU, forward + backward) as ``torch._grouped_mm`` and as the
     per-expert loop (``GroupedExperts.grouped_mm`` True/False) on the same rows: the largest
@@ -237,7 +224,7 @@ def _grouped_mm_probe(T, D, F, E, K, dtype, reps):
     except Exception as exc:  # report, do not fail the benchmark: this is a probe
         return f"_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}"
     err = max(((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item() for a, b in zip((ya, *ga), (yb, *gb)))
-    t_loop, t_grouped = _cuda_time(lambda: run(False), reps), _cuda_time(lambda: run(True), reps)
+    t_loop, t_grouped = cuda_event_median(lambda: run(False), reps), cuda_event_median(lambda: run(True), reps)
     return f"max rel diff {err:.2e}; per-expert loop {t_loop * 1e3:.2f} ms, _grouped_mm {t_grouped * 1e3:.2f} ms ({t_loop / t_grouped:.2f}x)"
 
 
@@ -253,8 +240,8 @@ def gpu_main(args) -> None:
         dense = DenseFFN(D, K * F).cuda().to(dtype)
         x = torch.randn(T, D, device="cuda", dtype=dtype, requires_grad=True)
         g = torch.randn(T, D, device="cuda", dtype=dtype)
-        t_layer = _cuda_time(lambda: layer_step(layer, x, g), args.reps)
-        t_dense = _cuda_time(lambda: layer_step(dense, x, g), args.reps)
+        t_layer = cuda_event_median(lambda: layer_step(layer, x, g), args.reps)
+        t_dense = cuda_event_median(lambda: layer_step(dense, x, g), args.reps)
         flops = ideal_expert_flops(T, D, F, K)
         probe = _grouped_mm_probe(T, D, F, E, K, dtype, args.reps) if args.grouped_mm else ""
         rows.append((name, T, D, F, E, K, t_layer, t_dense, flops, probe))

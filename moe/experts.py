@@ -50,6 +50,11 @@ def _row_block(t: torch.Tensor) -> int:
     return _ROW_BLOCK if t.device.type == "cpu" else 1 << 62
 
 
+def _starts(counts: list[int]) -> list[int]:
+    """First row of each expert's segment."""
+    return [0, *itertools.accumulate(counts)][:-1]
+
+
 def _blocks(counts: list[int], block: int, experts=None, starts=None):
     """``(expert, first row, end row, first block of this expert?)`` over non-empty segments, of
     every expert or of ``experts`` (with ``starts``, the first row of each segment).
@@ -57,7 +62,7 @@ def _blocks(counts: list[int], block: int, experts=None, starts=None):
     A segment longer than ``block`` is cut into equal parts of at most ``block`` rows (2100 rows
     with blocks of 2048: 1050 + 1050, not 2048 + 52, whose thin matmuls would run far slower)."""
     if starts is None:
-        starts = [0, *itertools.accumulate(counts)][:-1]
+        starts = _starts(counts)
     for e in range(len(counts)) if experts is None else experts:
         n, start = counts[e], starts[e]
         parts = -(-n // block)
@@ -324,9 +329,6 @@ def _run_lanes(fn, lanes: int) -> None:
     for f in futures:
         f.result()
 
-
-def _starts(counts: list[int]) -> list[int]:
-    return [0, *itertools.accumulate(counts)][:-1]
 
 
 class _FusedTokenExperts(torch.autograd.Function):
