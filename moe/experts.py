@@ -15,12 +15,13 @@ would cost a pass over memory plus, above glibc's 32 MB mmap threshold, a page f
 On a Hopper GPU in bf16, ``forward`` runs the experts as one ``torch._grouped_mm`` per weight instead
 (``GroupedExperts.use_grouped_mm``); the block loop is the CPU path and the fallback elsewhere.
 
-Two entry points: ``GroupedExperts.forward(x_SD, counts)`` on rows already in expert order (CUDA
-and expert parallelism, between ``routing_kernels.permute`` and ``unpermute_combine``), and
-``forward_tokens``, which folds the permutation and the weighted combine into the same block loop
-(the local CPU path, ``LocalDispatcher``). The CPU path runs groups of experts in parallel "lanes"
-(one worker thread with one intra-op thread each) and keeps its large buffers in a pool from step to
-step (``_BufferPool``); both are explained where they are defined.
+Two entry points, one implementation (``_ExpertBlocks``): ``GroupedExperts.forward(x_SD, counts)``
+on rows already in expert order (CUDA and expert parallelism, between ``routing_kernels.permute``
+and ``unpermute_combine``), and ``forward_tokens``, which folds the permutation and the weighted
+combine into the same block loop (the local CPU path, ``LocalDispatcher``). On the CPU the blocks
+run in parallel "lanes" (worker threads with one intra-op thread each, taking blocks from a shared
+queue) and the large buffers stay in a pool from step to step (``_BufferPool``); both are explained
+where they are defined.
 """
 from __future__ import annotations
 
@@ -55,21 +56,6 @@ def _starts(counts: list[int]) -> list[int]:
     return [0, *itertools.accumulate(counts)][:-1]
 
 
-def _blocks(counts: list[int], block: int, experts=None, starts=None):
-    """``(expert, first row, end row, first block of this expert?)`` over non-empty segments, of
-    every expert or of ``experts`` (with ``starts``, the first row of each segment).
-
-    A segment longer than ``block`` is cut into equal parts of at most ``block`` rows (2100 rows
-    with blocks of 2048: 1050 + 1050, not 2048 + 52, whose thin matmuls would run far slower)."""
-    if starts is None:
-        starts = _starts(counts)
-    for e in range(len(counts)) if experts is None else experts:
-        n, start = counts[e], starts[e]
-        parts = -(-n // block)
-        for i in range(parts):
-            yield e, start + n * i // parts, start + n * (i + 1) // parts, i == 0
-
-
 def _mm_into(out, a, b, accumulate: bool):
     # weight gradients of an expert split over several row blocks add up in place
     if accumulate:
@@ -90,114 +76,6 @@ _silu_out = torch.ops.aten.silu.out
 _silu_backward_out = torch.ops.aten.silu_backward.grad_input  # grad * dsilu(h) in one pass
 _gelu_out = torch.ops.aten.gelu.out
 _gelu_backward_out = torch.ops.aten.gelu_backward.grad_input
-
-
-class _SwiGLUExperts(torch.autograd.Function):
-    """Per block: h1 = x w1, h3 = x w3 (both saved), act = silu(h1) * h3 in a scratch buffer,
-    y = act w2. The backward recomputes act block by block from h1, h3 instead of saving it."""
-
-    @staticmethod
-    def forward(ctx, x_SD, w1, w3, w2, counts, pool):
-        S, Fdim = x_SD.shape[0], w1.shape[2]
-        h1_SF = x_SD.new_empty(S, Fdim)
-        h3_SF = x_SD.new_empty(S, Fdim)
-        y_SD = x_SD.new_empty(S, w2.shape[2])
-        block = _row_block(x_SD)
-        act_BF = x_SD.new_empty(min(S, block), Fdim)
-        for e, a, b, _ in _blocks(counts, block):
-            x = x_SD[a:b]
-            h1, h3, act = h1_SF[a:b], h3_SF[a:b], act_BF[: b - a]
-            torch.mm(x, w1[e], out=h1)
-            torch.mm(x, w3[e], out=h3)
-            _silu_out(h1, out=act)
-            act.mul_(h3)
-            torch.mm(act, w2[e], out=y_SD[a:b])
-        ctx.save_for_backward(x_SD, w1, w3, w2, h1_SF, h3_SF)
-        ctx.counts = counts
-        ctx.pool = pool
-        return y_SD
-
-    @staticmethod
-    def backward(ctx, g_SD):
-        x_SD, w1, w3, w2, h1_SF, h3_SF = ctx.saved_tensors
-        counts = ctx.counts
-        g_SD = g_SD.contiguous()
-        S, Fdim = h1_SF.shape
-        # weight gradients from the pool (fixed shapes); rows in expert order change with every step
-        dw1, dw3, dw2 = (ctx.pool.empty(f"dw{i}", w.shape, w) for i, w in ((1, w1), (3, w3), (2, w2)))
-        need_dx = ctx.needs_input_grad[0]
-        dx_SD = torch.empty_like(x_SD) if need_dx else None
-        # three [block, F] scratch buffers, reused by every block
-        block = _row_block(x_SD)
-        rows = min(S, block)
-        buf_a, buf_b, buf_c = (h1_SF.new_empty(rows, Fdim) for _ in range(3))
-        for e, a, b, first in _blocks(counts, block):
-            n = b - a
-            x, g, h1, h3 = x_SD[a:b], g_SD[a:b], h1_SF[a:b], h3_SF[a:b]
-            dact, silu, tmp = buf_a[:n], buf_b[:n], buf_c[:n]
-            torch.mm(g, w2[e].t(), out=dact)  # dL/d act
-            _silu_out(h1, out=silu)
-            torch.mul(silu, h3, out=tmp)  # act
-            _mm_into(dw2[e], tmp.t(), g, not first)
-            torch.mul(dact, silu, out=tmp)  # dh3 = dact * silu(h1)
-            dact.mul_(h3)
-            _silu_backward_out(dact, h1, grad_input=silu)  # dh1 = dact * h3 * silu'(h1)
-            dh1, dh3 = silu, tmp
-            _mm_into(dw1[e], x.t(), dh1, not first)
-            _mm_into(dw3[e], x.t(), dh3, not first)
-            if need_dx:
-                dx = dx_SD[a:b]
-                torch.mm(dh1, w1[e].t(), out=dx)
-                dx.addmm_(dh3, w3[e].t())
-        for grad in (dw1, dw3, dw2):
-            _zero_empty(grad, counts)
-        return dx_SD, dw1, dw3, dw2, None, None
-
-
-class _GeluExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_SD, w1, w2, counts, pool):
-        S, Fdim = x_SD.shape[0], w1.shape[2]
-        h_SF = x_SD.new_empty(S, Fdim)
-        y_SD = x_SD.new_empty(S, w2.shape[2])
-        block = _row_block(x_SD)
-        act_BF = x_SD.new_empty(min(S, block), Fdim)
-        for e, a, b, _ in _blocks(counts, block):
-            h, act = h_SF[a:b], act_BF[: b - a]
-            torch.mm(x_SD[a:b], w1[e], out=h)
-            _gelu_out(h, out=act)
-            torch.mm(act, w2[e], out=y_SD[a:b])
-        ctx.save_for_backward(x_SD, w1, w2, h_SF)
-        ctx.counts = counts
-        ctx.pool = pool
-        return y_SD
-
-    @staticmethod
-    def backward(ctx, g_SD):
-        x_SD, w1, w2, h_SF = ctx.saved_tensors
-        counts = ctx.counts
-        g_SD = g_SD.contiguous()
-        S, Fdim = h_SF.shape
-        dw1, dw2 = ctx.pool.empty("dw1", w1.shape, w1), ctx.pool.empty("dw2", w2.shape, w2)
-        need_dx = ctx.needs_input_grad[0]
-        dx_SD = torch.empty_like(x_SD) if need_dx else None
-        block = _row_block(x_SD)
-        rows = min(S, block)
-        buf_a, buf_b = (h_SF.new_empty(rows, Fdim) for _ in range(2))
-        for e, a, b, first in _blocks(counts, block):
-            n = b - a
-            x, g, h = x_SD[a:b], g_SD[a:b], h_SF[a:b]
-            dact, act = buf_a[:n], buf_b[:n]
-            _gelu_out(h, out=act)
-            _mm_into(dw2[e], act.t(), g, not first)
-            torch.mm(g, w2[e].t(), out=dact)
-            _gelu_backward_out(dact, h, grad_input=act)  # dh, over act's buffer
-            _mm_into(dw1[e], x.t(), act, not first)
-            if need_dx:
-                torch.mm(act, w1[e].t(), out=dx_SD[a:b])
-        for grad in (dw1, dw2):
-            _zero_empty(grad, counts)
-        return dx_SD, dw1, dw2, None, None
 
 
 # below this a buffer comes straight from the heap: glibc reuses small freed blocks without faults,
@@ -256,40 +134,89 @@ class _BufferPool:
 #
 # With every intra-op thread on each matmul in turn, the GEMMs of one expert block are small for two
 # cores' worth of BLAS threading and every elementwise op ends in a barrier; giving each thread whole
-# experts instead ("lanes", one intra-op thread each) keeps both cores busy without a barrier per op.
-# Measured on the 2-core benchmark machine, matmuls alone in the layer's order: 0.81 -> 0.88 of the
-# 2048^3 rate at S1 and 0.74 -> 0.99 at S2; the whole layer gains less (3-4%, below), since the
-# lanes wait for the slower core. Each lane adds into its own token-ordered output (lane 0 into the
-# real one), summed in lane order afterwards, so results do not depend on thread timing.
+# row blocks instead ("lanes", one intra-op thread each) keeps both cores busy without a barrier per
+# op. Measured on the 2-core benchmark machine, matmuls alone in the layer's order: 0.81 -> 0.88 of
+# the 2048^3 rate at S1 and 0.74 -> 0.99 at S2.
+#
+# Lanes take blocks from a shared queue as they come free (``_BlockQueue``) rather than from a fixed
+# plan: the two vCPUs here drift 5-30% apart in speed from one moment to the next, and with a fixed
+# plan (balanced rows) one lane sat idle for 13% of a step on average at S1 (1-29%, 10 steps).
+# Nothing a lane computes depends on which lane runs a block: each block writes its own rows of an
+# expert-ordered buffer, the rows are summed into token order afterwards with the slots in a fixed
+# order (``_combine_rows``), and an expert's weight gradients add up block by block in block order.
 
 # below this much work per matmul (rows per expert, at most a block, x D x F multiply-adds; ~0.5 ms
 # on one core) a call stays on the calling thread: the lanes' Python between ops then contends for
 # the GIL. Measured, lanes against one thread on every op, 20-30 alternating steps: S1 -3%,
 # S2 -4%, but a 2048-token D=64, F=256, E=8 layer (8M per matmul) +32%
 _LANE_MIN_MACS = 1 << 25
-_MAX_LANES = 8  # each lane beyond the first holds a [T, D] output and its own block buffers
-_LANE_MAX_IMBALANCE = 1.25  # rows of the busiest lane over the mean, beyond which one lane runs
+_MAX_LANES = 8  # each lane holds its own block buffers
+_LANE_WAIT_S = 600.0  # a lane waiting for another lane's block longer than this raises
 _lane_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, executor)
 
 
-def _lane_plan(counts: list[int], x: torch.Tensor, d_ff: int) -> list[list[int]]:
-    """Experts grouped into lanes (one per intra-op thread) with balanced rows; a single lane (this
-    thread, all intra-op threads on each op) when the work is small, on a GPU, with one thread, or
-    when one hot expert would leave the other lanes idle."""
-    everyone = [list(range(len(counts)))]
+def _lane_count(counts: list[int], x: torch.Tensor, d_ff: int) -> int:
+    """Lanes for a call: one per intra-op thread, or 1 (this thread, all intra-op threads on each
+    op) when the work is small, on a GPU, or with one thread."""
     busy = sum(1 for c in counts if c)
-    lanes = min(torch.get_num_threads(), _MAX_LANES, busy)
-    S = sum(counts)
-    if x.device.type != "cpu" or lanes < 2 or min(S / busy, _ROW_BLOCK) * x.shape[1] * d_ff < _LANE_MIN_MACS:
-        return everyone
-    loads, plan = [0] * lanes, [[] for _ in range(lanes)]
-    for e in sorted(range(len(counts)), key=lambda e: -counts[e]):  # largest first, to the lightest lane
-        i = loads.index(min(loads))
-        plan[i].append(e)
-        loads[i] += counts[e]
-    if max(loads) > _LANE_MAX_IMBALANCE * S / lanes:
-        return everyone
-    return [sorted(p) for p in plan]
+    lanes = min(torch.get_num_threads(), _MAX_LANES)
+    if x.device.type != "cpu" or lanes < 2 or busy == 0 or min(sum(counts) / busy, _ROW_BLOCK) * x.shape[1] * d_ff < _LANE_MIN_MACS:
+        return 1
+    return lanes
+
+
+class _LaneFailed(RuntimeError):
+    pass
+
+
+class _BlockQueue:
+    """Row blocks ``(expert, first row, end row, index within the expert)`` handed out in a fixed
+    order, first blocks of every expert (largest first), then second blocks, and so on; the small
+    ones come last, so the lanes finish close together, and the blocks of one expert lie far apart.
+
+    An expert's weight gradients add up block by block in block order whichever lanes run them:
+    a lane calls ``wait_turn`` before it adds block i's share (returns once block i - 1's is in) and
+    ``end_turn`` after. Blocks are taken in queue order, so the earliest unfinished block never
+    waits: no deadlock. A lane that fails calls ``fail``, which wakes and stops every other lane.
+    """
+
+    def __init__(self, counts: list[int], block: int):
+        units = []
+        for e, (n, start) in enumerate(zip(counts, _starts(counts))):
+            parts = -(-n // block)
+            units += [(e, start + n * i // parts, start + n * (i + 1) // parts, i) for i in range(parts)]
+        units.sort(key=lambda u: (u[3], u[1] - u[2]))
+        self.units = units
+        self._next = 0
+        self._turn = [0] * len(counts)
+        self._failed = False
+        self._cond = threading.Condition()
+
+    def take(self):
+        with self._cond:
+            if self._failed or self._next == len(self.units):
+                return None
+            self._next += 1
+            return self.units[self._next - 1]
+
+    def wait_turn(self, e: int, i: int) -> None:
+        if self._turn[e] == i:
+            return
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._turn[e] == i or self._failed, _LANE_WAIT_S):
+                raise TimeoutError(f"a lane waited {_LANE_WAIT_S} s for block {i - 1} of expert {e}")
+            if self._failed:
+                raise _LaneFailed("another lane failed")
+
+    def end_turn(self, e: int) -> None:
+        with self._cond:
+            self._turn[e] += 1
+            self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
 
 
 def _init_lane_thread() -> None:
@@ -299,14 +226,20 @@ def _init_lane_thread() -> None:
     torch.get_num_threads()
 
 
-def _lane_call(fn, i: int) -> None:
+def _lane_call(fn, i: int, queue: _BlockQueue | None) -> None:
     with torch.no_grad():  # grad mode is per thread; the lanes only fill buffers
-        fn(i)
+        try:
+            fn(i)
+        except BaseException:
+            if queue is not None:
+                queue.fail()
+            raise
 
 
-def _run_lanes(fn, lanes: int) -> None:
+def _run_lanes(fn, lanes: int, queue: _BlockQueue | None = None) -> None:
     """``fn(0)``, ..., ``fn(lanes - 1)``: on this thread for one lane, else in parallel on worker threads
-    that each run one intra-op thread. Waits for every lane, then raises the first failure."""
+    that each run one intra-op thread. Waits for every lane, then raises the first failure (a lane
+    stopped because another failed raises last)."""
     if lanes == 1:
         fn(0)
         return
@@ -324,115 +257,163 @@ def _run_lanes(fn, lanes: int) -> None:
             f.result()
         torch.set_num_threads(previous)
         _lane_pool = (pid, lanes, executor)
-    futures = [_lane_pool[2].submit(_lane_call, fn, i) for i in range(lanes)]
+    futures = [_lane_pool[2].submit(_lane_call, fn, i, queue) for i in range(lanes)]
     concurrent.futures.wait(futures)
-    for f in futures:
-        f.result()
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise min(errors, key=lambda err: isinstance(err, _LaneFailed))
 
 
+# tokens per step of the combine: its [block, K, D] gather stays in cache
+_COMBINE_BLOCK_T = 256
 
-class _FusedTokenExperts(torch.autograd.Function):
-    """permute -> experts -> unpermute_combine as one pass per row block (the CPU path).
 
-    Each block gathers its token rows into a scratch buffer, runs the expert, scales by the
-    combine weights and adds into the token-ordered output; the backward gathers the output
-    gradient the same way and adds the input gradient back by token. So no [S, D] buffer exists
-    (rows in expert order, their outputs, their gradients): at S = 49152, D = 512 each would be
-    100 MB of memory traffic each way. The combine-weight gradient ``<y_s, g_t>`` is taken as
-    ``<act_s, g_t @ w2^T>``, both of which the backward has in cache, so y is never stored.
-    Only h1 (and h3) are saved, as in ``_SwiGLUExperts``. Experts run in lanes (above): every buffer
-    a lane writes is its own (block scratch, its output, its experts' rows and weight gradients).
+def _combine_rows(rows_SD: torch.Tensor, dest_TK: torch.Tensor, src_S: torch.Tensor, out_TD: torch.Tensor, lanes: int) -> torch.Tensor:
+    """``out[t] = sum_k rows[dest[t, k]]`` over the kept slots, in slot order: the expert-ordered
+    rows back into token order. ``rows_SD`` has one row more than there are kept rows, a zero row
+    that the dropped slots read. The tokens are split between the lanes.
+
+    When most slots are empty (expert choice: E slots, about k kept) reading every slot would cost
+    E rows a token; the rows are then added by ``index_add_`` in row order instead, on this thread.
+    Either way the order of the additions is fixed, so the result is too."""
+    T, K = dest_TK.shape
+    S = rows_SD.shape[0] - 1
+    if T * K > 2 * S:
+        out_TD.zero_().index_add_(0, src_S, rows_SD[:S])
+        return out_TD
+    index_TK = torch.where(dest_TK >= 0, dest_TK, S)
+    D = rows_SD.shape[1]
+    step = -(-T // lanes)
+
+    def part(i: int) -> None:
+        for t0 in range(i * step, min(T, (i + 1) * step), _COMBINE_BLOCK_T):
+            t1 = min(t0 + _COMBINE_BLOCK_T, (i + 1) * step, T)
+            if K == 1:
+                torch.index_select(rows_SD, 0, index_TK[t0:t1, 0], out=out_TD[t0:t1])
+            else:
+                torch.sum(rows_SD.index_select(0, index_TK[t0:t1].reshape(-1)).view(t1 - t0, K, D), dim=1, out=out_TD[t0:t1])
+
+    _run_lanes(part, lanes)
+    return out_TD
+
+
+class _ExpertBlocks(torch.autograd.Function):
+    """Every local expert's FFN over its rows, one row block at a time, in lanes (above).
+
+    Two modes. Rows (``dest_TK`` is None): ``x`` holds rows already in expert order, ``[S, D]``,
+    and so does the result (CUDA without grouped GEMM, and expert parallelism, between
+    ``routing_kernels.permute`` and ``unpermute_combine``). Tokens: ``x`` is ``[T, D]`` in token
+    order and the op folds the permutation and the weighted combine in, the local CPU path: each
+    block gathers its token rows into a scratch buffer, and its outputs, scaled by the combine
+    weights, go to an expert-ordered buffer that ``_combine_rows`` sums into token order. The inputs
+    in expert order never exist as an [S, D] buffer (at S = 49152, D = 512 that would be 100 MB
+    written and read again), nor do the unscaled outputs.
+
+    Per block: h1 = x w1, h3 = x w3 (both saved), act = silu(h1) * h3 in a scratch buffer (GELU:
+    act = gelu(h1)), y = act w2. The backward recomputes act from h1, h3 instead of saving it, and
+    writes the input gradient's rows like the forward's outputs. The combine-weight gradient
+    ``<y_s, g_t>`` is taken as ``<act_s, g_t @ w2^T>``, both of which the backward has in cache, so y
+    is never stored. Every buffer a lane writes is its own block scratch or its blocks' rows.
     """
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, w1, w3, w2, dest_TK, counts, pool):
-        T, D = x_TD.shape
-        S, Fdim = sum(counts), w1.shape[2]
+    def forward(ctx, x, weights_TK, w1, w3, w2, dest_TK, counts, pool):
+        S, D, Fdim = sum(counts), x.shape[1], w1.shape[2]
         swiglu = w3 is not None
-        flat = dest_TK.reshape(-1)
-        valid = flat >= 0
-        kept = flat[valid]
-        src_S = rk.source_tokens(dest_TK, S)
-        w_S = torch.empty(S, dtype=x_TD.dtype, device=x_TD.device)  # combine weights in row order
-        w_S[kept] = weights_TK.reshape(-1)[valid].to(x_TD.dtype)
+        tokens = dest_TK is not None
+        src_S = w_S = None
+        if tokens:
+            flat = dest_TK.reshape(-1)
+            valid = flat >= 0
+            src_S = rk.source_tokens(dest_TK, S)
+            w_S = torch.empty(S, dtype=x.dtype, device=x.device)  # combine weights in row order
+            w_S[flat[valid]] = weights_TK.reshape(-1)[valid].to(x.dtype)
         # h1 (and h3) are saved, in buffers the pool keeps from step to step (dropless: S = k*T,
         # the same shape every step)
-        h1_SF = pool.empty("h1", (S, Fdim), x_TD)
-        h3_SF = pool.empty("h3", (S, Fdim), x_TD) if swiglu else None
-        plan = _lane_plan(counts, x_TD, Fdim)
-        block = _row_block(x_TD)
+        h1_SF = pool.empty("h1", (S, Fdim), x)
+        h3_SF = pool.empty("h3", (S, Fdim), x) if swiglu else None
+        lanes = _lane_count(counts, x, Fdim)
+        # tokens: the outputs' rows plus a zero row that dropped slots read (see _combine_rows)
+        y_SD = pool.empty("rows", (S + 1, D), x) if tokens else pool.empty("y", (S, D), x)
+        if tokens:
+            y_SD[S].zero_()
+        block = _row_block(x)
         rows = min(S, block)
         # every buffer is taken here, on this thread: the pool is not shared with the lanes
-        outs = [pool.empty("out" if i == 0 else f"out{i}", (T, D), x_TD) for i in range(len(plan))]
-        scratch = [(pool.block(f"x{i}", rows, D, x_TD), pool.block(f"y{i}", rows, D, x_TD), pool.block(f"act{i}", rows, Fdim, x_TD))
-                   for i in range(len(plan))]
-        starts = _starts(counts)
+        scratch = [(pool.block(f"x{i}", rows, D, x) if tokens else None, pool.block(f"act{i}", rows, Fdim, x)) for i in range(lanes)]
+        queue = _BlockQueue(counts, block)
 
         def lane(i: int) -> None:
-            out_TD, (x_BD, y_BD, act_BF) = outs[i].zero_(), scratch[i]
-            for e, a, b, _ in _blocks(counts, block, plan[i], starts):
-                n = b - a
-                src = src_S[a:b]
-                x, y, act = x_BD[:n], y_BD[:n], act_BF[:n]
-                h1 = h1_SF[a:b]
-                torch.index_select(x_TD, 0, src, out=x)
-                torch.mm(x, w1[e], out=h1)
+            x_BD, act_BF = scratch[i]
+            while (unit := queue.take()) is not None:
+                e, a, b, _ = unit
+                act, h1 = act_BF[: b - a], h1_SF[a:b]
+                if tokens:
+                    xe = torch.index_select(x, 0, src_S[a:b], out=x_BD[: b - a])
+                else:
+                    xe = x[a:b]
+                torch.mm(xe, w1[e], out=h1)
                 if swiglu:
                     h3 = h3_SF[a:b]
-                    torch.mm(x, w3[e], out=h3)
+                    torch.mm(xe, w3[e], out=h3)
                     _silu_out(h1, out=act)
                     act.mul_(h3)
                 else:
                     _gelu_out(h1, out=act)
+                y = y_SD[a:b]
                 torch.mm(act, w2[e], out=y)
-                y.mul_(w_S[a:b].unsqueeze(1))
-                # a token appears at most once per expert, so the rows of one block never collide
-                out_TD.index_add_(0, src, y)
+                if tokens:
+                    y.mul_(w_S[a:b].unsqueeze(1))
 
-        _run_lanes(lane, len(plan))
-        out_TD = outs[0]
-        for other in outs[1:]:
-            out_TD.add_(other)
-        ctx.save_for_backward(x_TD, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF)
+        _run_lanes(lane, lanes, queue)
+        out = _combine_rows(y_SD, dest_TK, src_S, pool.empty("out", (x.shape[0], D), x), lanes) if tokens else y_SD
+        ctx.save_for_backward(x, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF)
         ctx.counts = counts
         ctx.pool = pool
-        ctx.weights_dtype = weights_TK.dtype
-        return out_TD
+        ctx.weights_dtype = None if weights_TK is None else weights_TK.dtype
+        return out
 
     @staticmethod
-    def backward(ctx, grad_TD):
-        x_TD, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF = ctx.saved_tensors
+    def backward(ctx, grad):
+        x, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF = ctx.saved_tensors
         counts = ctx.counts
         swiglu = w3 is not None
-        grad_TD = grad_TD.contiguous()
-        T, D = x_TD.shape
-        S, Fdim = src_S.shape[0], w1.shape[2]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        tokens = dest_TK is not None
+        grad = grad.contiguous()
+        S, Fdim = h1_SF.shape
+        D = x.shape[1]
+        need_x, need_w = ctx.needs_input_grad[0], tokens and ctx.needs_input_grad[1]
         pool = ctx.pool
-        plan = _lane_plan(counts, x_TD, Fdim)
-        dxs = [pool.empty("dx" if i == 0 else f"dx{i}", (T, D), x_TD) for i in range(len(plan))] if need_x else None
-        dw_S = x_TD.new_empty(S) if need_w else None  # dL/d combine weight, row order
+        lanes = _lane_count(counts, x, Fdim)
+        dx_SD = None  # the input gradient's rows (tokens: + the zero row, like the forward's)
+        if need_x:
+            dx_SD = pool.empty("rows", (S + 1, D), x) if tokens else pool.empty("dx_rows", (S, D), x)
+            if tokens:
+                dx_SD[S].zero_()
+        dw_S = x.new_empty(S) if need_w else None  # dL/d combine weight, row order
         # weight gradients: the view lent becomes p.grad itself (autograd adopts a gradient that
         # nothing else refers to), so its buffer is lent again once the training loop drops p.grad
         dw1, dw2 = pool.empty("dw1", w1.shape, w1), pool.empty("dw2", w2.shape, w2)
         dw3 = pool.empty("dw3", w3.shape, w3) if swiglu else None
-        block = _row_block(x_TD)
+        block = _row_block(x)
         rows = min(S, block)
-        scratch = [(pool.block(f"g{i}", rows, D, x_TD), pool.block(f"dx_block{i}", rows, D, x_TD),
-                    *(pool.block(f"scratch{j}_{i}", rows, Fdim, x_TD) for j in range(4)))
-                   for i in range(len(plan))]
-        starts = _starts(counts)
+        scratch = [(*((pool.block(f"g{i}", rows, D, x), pool.block(f"x{i}", rows, D, x)) if tokens else (None, None)),
+                    *(pool.block(f"scratch{j}_{i}", rows, Fdim, x) for j in range(4)))
+                   for i in range(lanes)]
+        queue = _BlockQueue(counts, block)
 
         def lane(i: int) -> None:
-            g_BD, dx_BD, buf_a, buf_b, buf_c, buf_d = scratch[i]
-            dx_TD = dxs[i].zero_() if need_x else None
-            for e, a, b, first in _blocks(counts, block, plan[i], starts):
+            g_BD, x_BD, buf_a, buf_b, buf_c, buf_d = scratch[i]
+            while (unit := queue.take()) is not None:
+                e, a, b, turn = unit
                 n = b - a
-                src = src_S[a:b]
-                g, h1 = g_BD[:n], h1_SF[a:b]
-                dact, silu, act = buf_a[:n], buf_b[:n], buf_c[:n]
-                torch.index_select(grad_TD, 0, src, out=g)  # dL/d(w * y) of each row
-                torch.mm(g, w2[e].t(), out=dact)  # dL/d act, per unit weight
+                h1 = h1_SF[a:b]
+                dact, silu, act, tmp = buf_a[:n], buf_b[:n], buf_c[:n], buf_d[:n]
+                if tokens:
+                    g = torch.index_select(grad, 0, src_S[a:b], out=g_BD[:n])  # dL/d(w * y) of each row
+                else:
+                    g = grad[a:b]
+                torch.mm(g, w2[e].t(), out=dact)  # dL/d act (tokens: per unit weight)
                 if swiglu:
                     h3 = h3_SF[a:b]
                     _silu_out(h1, out=silu)
@@ -441,47 +422,50 @@ class _FusedTokenExperts(torch.autograd.Function):
                     _gelu_out(h1, out=act)
                 if need_w:
                     # row-wise <act, dact>: a product and a row sum run 3x faster than a [1, F] x [F, 1] bmm
-                    torch.sum(torch.mul(act, dact, out=buf_d[:n]), dim=1, out=dw_S[a:b])
-                w = w_S[a:b].unsqueeze(1)
-                g.mul_(w)
-                dact.mul_(w)
-                _mm_into(dw2[e], act.t(), g, not first)
-                x = torch.index_select(x_TD, 0, src, out=g)  # g is spent: reuse it for the inputs
+                    torch.sum(torch.mul(act, dact, out=tmp), dim=1, out=dw_S[a:b])
+                if tokens:
+                    w = w_S[a:b].unsqueeze(1)
+                    g.mul_(w)
+                    dact.mul_(w)
+                    xe = torch.index_select(x, 0, src_S[a:b], out=x_BD[:n])
+                else:
+                    xe = x[a:b]
                 if swiglu:
-                    torch.mul(dact, silu, out=act)  # dh3
+                    torch.mul(dact, silu, out=tmp)  # dh3
                     dact.mul_(h3)
                     _silu_backward_out(dact, h1, grad_input=silu)  # dh1
-                    dh1, dh3 = silu, act
+                    dh1, dh3 = silu, tmp
                 else:
-                    _gelu_backward_out(dact, h1, grad_input=act)
-                    dh1 = act
-                _mm_into(dw1[e], x.t(), dh1, not first)
-                if swiglu:
-                    _mm_into(dw3[e], x.t(), dh3, not first)
+                    _gelu_backward_out(dact, h1, grad_input=silu)
+                    dh1 = silu
                 if need_x:
-                    dx = dx_BD[:n]
+                    dx = dx_SD[a:b]
                     torch.mm(dh1, w1[e].t(), out=dx)
                     if swiglu:
                         dx.addmm_(dh3, w3[e].t())
-                    dx_TD.index_add_(0, src, dx)
+                # this expert's weight gradients, block after block in order (see _BlockQueue)
+                queue.wait_turn(e, turn)
+                _mm_into(dw2[e], act.t(), g, turn > 0)
+                _mm_into(dw1[e], xe.t(), dh1, turn > 0)
+                if swiglu:
+                    _mm_into(dw3[e], xe.t(), dh3, turn > 0)
+                queue.end_turn(e)
 
-        _run_lanes(lane, len(plan))
-        dx_TD = None
+        _run_lanes(lane, lanes, queue)
+        dx = None
         if need_x:
-            dx_TD = dxs[0]
-            for other in dxs[1:]:
-                dx_TD.add_(other)
-        for grad in (dw1, dw3, dw2):
-            if grad is not None:
-                _zero_empty(grad, counts)
+            dx = _combine_rows(dx_SD, dest_TK, src_S, pool.empty("dx", x.shape, x), lanes) if tokens else dx_SD
+        for dw in (dw1, dw3, dw2):
+            if dw is not None:
+                _zero_empty(dw, counts)
         grad_w = None
         if need_w:
             flat = dest_TK.reshape(-1)
             valid = flat >= 0
-            grad_w = torch.zeros(flat.numel(), dtype=ctx.weights_dtype, device=x_TD.device)
+            grad_w = torch.zeros(flat.numel(), dtype=ctx.weights_dtype, device=x.device)
             grad_w[valid] = dw_S[flat[valid]].to(ctx.weights_dtype)
             grad_w = grad_w.view(dest_TK.shape)
-        return dx_TD, grad_w, dw1, dw3, dw2, None, None, None
+        return dx, grad_w, dw1, dw3, dw2, None, None, None
 
 
 class GroupedExperts(nn.Module):
@@ -556,9 +540,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"got {len(counts)} segment counts for {self.num_local} local experts")
         if self.use_grouped_mm(x_SD):
             return self._grouped_forward(x_SD, counts)
-        if self.activation == "swiglu":
-            return _SwiGLUExperts.apply(x_SD, self.w1, self.w3, self.w2, counts, self._pool)
-        return _GeluExperts.apply(x_SD, self.w1, self.w2, counts, self._pool)
+        return _ExpertBlocks.apply(x_SD, None, self.w1, self.w3, self.w2, None, counts, self._pool)
 
     def forward_tokens(self, x_TD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``unpermute_combine(self(permute(x_TD)), dest_TK, weights_TK)`` in one pass per row block,
@@ -566,7 +548,7 @@ class GroupedExperts(nn.Module):
         ``routing_metadata``. The CPU path of the local dispatcher."""
         if len(counts) != self.num_local:
             raise ValueError(f"got {len(counts)} segment counts for {self.num_local} local experts")
-        return _FusedTokenExperts.apply(x_TD.contiguous(), weights_TK, self.w1, self.w3, self.w2, dest_TK, counts, self._pool)
+        return _ExpertBlocks.apply(x_TD.contiguous(), weights_TK, self.w1, self.w3, self.w2, dest_TK, counts, self._pool)
 
 
 class DenseFFN(nn.Module):

@@ -155,6 +155,7 @@ def test_matches_naive_in_small_blocks(name, fused, monkeypatch):
     import routing_kernels.reference
 
     monkeypatch.setattr(moe.experts, "_ROW_BLOCK", 3)
+    monkeypatch.setattr(moe.experts, "_COMBINE_BLOCK_T", 4)
     monkeypatch.setattr(routing_kernels.reference, "_COMBINE_BLOCK_T", 4)
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
@@ -165,72 +166,159 @@ def test_matches_naive_in_small_blocks(name, fused, monkeypatch):
 
 @pytest.fixture
 def lanes(monkeypatch):
-    """Two intra-op threads, and lanes for any size and balance: the CPU path then runs its experts
-    in two parallel lanes (moe.experts._lane_plan), whatever the routing. Yields the plans used."""
+    """Two intra-op threads, and lanes for any size: the CPU path then runs its expert blocks in two
+    parallel lanes (moe.experts._lane_count), whatever the routing. Yields the lane counts used."""
     import moe.experts
 
     monkeypatch.setattr(moe.experts, "_LANE_MIN_MACS", 0)
-    monkeypatch.setattr(moe.experts, "_LANE_MAX_IMBALANCE", float("inf"))
-    plans = []
-    real = moe.experts._lane_plan
+    used = []
+    real = moe.experts._lane_count
 
     def spy(*args):
-        plans.append(real(*args))
-        return plans[-1]
+        used.append(real(*args))
+        return used[-1]
 
-    monkeypatch.setattr(moe.experts, "_lane_plan", spy)
+    monkeypatch.setattr(moe.experts, "_lane_count", spy)
     n = torch.get_num_threads()
     torch.set_num_threads(2)
-    yield plans
+    yield used
     torch.set_num_threads(n)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("name", ["odd", "k_eq_E", "3d_input", "gelu_shared", "capacity_probs", "expert_choice", "fewer_tokens_than_experts"])
-def test_lanes_match_naive(name, lanes):
+def test_lanes_match_naive(name, fused, lanes):
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
+    layer.dispatcher = moe.LocalDispatcher(fused=fused)
     torch.manual_seed(1)
     check_against_naive(layer, torch.randn(shape), torch.float32, name)
-    assert lanes and all(len(plan) == 2 for plan in lanes), f"ran in lanes {lanes}"
-    # every expert with rows is in exactly one lane
-    for plan in lanes:
-        flat = sorted(e for lane in plan for e in lane)
-        assert flat == sorted(set(flat))
+    assert lanes and all(n == 2 for n in lanes), f"ran in lanes {lanes}"
 
 
-def test_lanes_same_bits_and_errors_surface(lanes, monkeypatch):
+def _skewed_schedule(monkeypatch, slow_thread: str, taken: dict):
+    """Lane threads whose name ends in ``slow_thread`` sleep before taking each block, so the other
+    lane takes most blocks; records which thread took which block."""
+    import threading
+    import time
+
     import moe.experts
 
-    shape, kw = CASES["odd"]
+    real = moe.experts._BlockQueue.take
+
+    def take(queue):
+        name = threading.current_thread().name
+        if name.endswith(slow_thread):
+            time.sleep(0.002)
+        unit = real(queue)
+        if unit is not None:
+            taken.setdefault(name, []).append(unit)
+        return unit
+
+    monkeypatch.setattr(moe.experts._BlockQueue, "take", take)
+
+
+@pytest.mark.parametrize("name", ["odd", "gelu_shared", "capacity_position", "expert_choice"])
+def test_lanes_same_bits_whatever_the_schedule(name, lanes, monkeypatch):
+    # blocks of 3 rows: every expert's rows span many blocks, taken by either lane in any order, so
+    # weight gradients wait for their turn; which lane runs which block must not change one bit
+    import moe.experts
+
+    monkeypatch.setattr(moe.experts, "_ROW_BLOCK", 3)
+    shape, kw = CASES[name]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     x, grad = torch.randn(shape), torch.randn(shape)
-    first, second = run_layer(layer, x, grad), run_layer(layer, x, grad)
+    runs, schedules = [], []
+    for slow in ("_0", "_1"):
+        taken = {}
+        _skewed_schedule(monkeypatch, slow, taken)
+        runs.append(run_layer(layer, x, grad))
+        schedules.append(sorted(taken.get("moe-lane_0", [])))
+    assert schedules[0] != schedules[1], "both runs gave the lanes the same blocks: nothing was tested"
+    first, second = runs
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for n in first[2]:
         assert torch.equal(first[2][n], second[2][n]), n
-    # a failure inside a lane (worker thread) reaches the caller, and the next call works
+    assert lanes and all(n == 2 for n in lanes)
+
+
+def test_lane_errors_surface_and_the_next_call_works(lanes, monkeypatch):
+    import threading
+
+    import moe.experts
+
+    monkeypatch.setattr(moe.experts, "_ROW_BLOCK", 3)
+    shape, kw = CASES["odd"]
+    layer = make(MoEConfig(d_model=shape[-1], **kw))
+    x, grad = torch.randn(shape), torch.randn(shape)
+    expected = run_layer(layer, x, grad)
     real = moe.experts._silu_out
-    monkeypatch.setattr(moe.experts, "_silu_out", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("lane failure")))
-    with pytest.raises(RuntimeError, match="lane failure"):
-        layer(x)
+    # in every lane; then in one lane only, while the other may be waiting for that lane's block
+    for failing in ("moe-lane", "moe-lane_1"):
+        def silu(*a, failing=failing, **k):
+            if threading.current_thread().name.startswith(failing):
+                raise RuntimeError("lane failure")
+            return real(*a, **k)
+
+        monkeypatch.setattr(moe.experts, "_silu_out", silu)
+        with pytest.raises(RuntimeError, match="lane failure"):
+            run_layer(layer, x, grad)
     monkeypatch.setattr(moe.experts, "_silu_out", real)
-    assert torch.equal(run_layer(layer, x, grad)[0], first[0])
+    again = run_layer(layer, x, grad)
+    assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
 
 
-def test_lane_plan_balances_rows_and_falls_back():
+def test_block_queue_order_turns_and_failure(monkeypatch):
+    import threading
+
+    import moe.experts
+
+    q = moe.experts._BlockQueue([5, 0, 2, 9], block=4)
+    units = []
+    while (u := q.take()) is not None:
+        units.append(u)
+    # first blocks of every expert, largest first, then second blocks, ...; an expert's rows are cut
+    # into equal parts (9 rows: 3 + 3 + 3), rows in expert order (starts 0, 5, 7)
+    assert units == [(3, 7, 10, 0), (0, 0, 2, 0), (2, 5, 7, 0), (0, 2, 5, 1), (3, 10, 13, 1), (3, 13, 16, 2)]
+    q.wait_turn(3, 0)  # block 0 never waits
+    monkeypatch.setattr(moe.experts, "_LANE_WAIT_S", 0.05)
+    with pytest.raises(TimeoutError, match="block 0 of expert 3"):
+        q.wait_turn(3, 1)
+    q.end_turn(3)
+    q.wait_turn(3, 1)
+    # a failing lane wakes a waiting one, which stops instead of waiting out the timeout
+    monkeypatch.setattr(moe.experts, "_LANE_WAIT_S", 60.0)
+    errors = []
+
+    def waiter():
+        try:
+            q.wait_turn(0, 1)
+        except moe.experts._LaneFailed as err:
+            errors.append(err)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    q.fail()
+    t.join(10)
+    assert not t.is_alive() and len(errors) == 1
+    assert q.take() is None
+
+
+def test_lane_count_falls_back():
     import moe.experts
 
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         x = torch.empty(1, 512)
-        plan = moe.experts._lane_plan([2100, 1900, 2000, 2050, 1950, 2000, 2020, 1980], x, 1024)
-        loads = [sum([2100, 1900, 2000, 2050, 1950, 2000, 2020, 1980][e] for e in lane) for lane in plan]
-        assert len(plan) == 2 and max(loads) - min(loads) <= 200
-        assert len(moe.experts._lane_plan([9000, 100, 100, 100], x, 1024)) == 1  # one hot expert
-        assert len(moe.experts._lane_plan([3, 2, 1, 0], x, 1024)) == 1  # too little work to hand off
+        assert moe.experts._lane_count([2100, 1900, 2000, 2050], x, 1024) == 2
+        assert moe.experts._lane_count([9000, 100, 100, 100], x, 1024) == 2  # a hot expert's blocks spread too
+        assert moe.experts._lane_count([3, 2, 1, 0], x, 1024) == 1  # too little work to hand off
+        assert moe.experts._lane_count([0, 0], x, 1024) == 1
         # small matmuls (512 rows x 64 x 256 per expert): the lanes' Python would contend for the GIL
-        assert len(moe.experts._lane_plan([512] * 8, torch.empty(1, 64), 256)) == 1
+        assert moe.experts._lane_count([512] * 8, torch.empty(1, 64), 256) == 1
+        torch.set_num_threads(1)
+        assert moe.experts._lane_count([2100, 1900], x, 1024) == 1
     finally:
         torch.set_num_threads(n)
 
@@ -597,7 +685,7 @@ def test_lanes_under_activation_checkpointing(reentrant, lanes):
     assert torch.equal(out_c.detach(), out) and torch.equal(xc.grad, gx)
     for name, p in ck.named_parameters():
         assert torch.equal(p.grad, grads[name]), name
-    assert lanes and all(len(plan) == 2 for plan in lanes)
+    assert lanes and all(n == 2 for n in lanes)
 
 
 def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
@@ -611,7 +699,7 @@ def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
     shape, kw = CASES["odd"]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     layer(torch.randn(shape)).sum().backward()
-    assert lanes and len(lanes[0]) == 2
+    assert lanes and lanes[0] == 2
     seen = {}
 
     def probe():
