@@ -69,16 +69,22 @@ def _median_time(fn, reps: int, warmup: int = 1) -> float:
 def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048, rest: float = 2.0):
     """Alternate three n^3 matmuls with one layer step, ``reps`` times; each pair gives one
     fraction, so a neighbour's load that slows both for a while cancels in the ratio. Returns the
-    medians of layer time, matmul rate and fraction.
+    medians of layer time, matmul rate, fraction, and the fraction against the per-core rate.
 
     Each pair starts after ``rest`` seconds idle, matmuls first: on the shared machine a matmul run
     within ~1 s after a step that kept both cores busy measured up to 10% slower (a throttle that
-    fades within 2 s), which would flatter the layer. Rested, the matmul rate is the machine's best."""
+    fades within 2 s), which would flatter the layer. Rested, the matmul rate is the machine's best.
+
+    The fraction divides by the rate of the n^3 matmul on every intra-op thread, as the goal is
+    defined. The layer's lanes run one thread each and no barrier between them, so each pair also
+    times the matmul on one thread: ``per_core`` divides by threads x that rate, the sum of what the
+    cores reach alone, a bound a multi-threaded matmul does not reach when one vCPU lags."""
+    threads = torch.get_num_threads()
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
     layer_step(layer, x_TD, grad_TD)
     torch.mm(a, b, out=c)
-    times, rates, fracs = [], [], []
+    times, rates, fracs, per_core = [], [], [], []
     for _ in range(reps):
         time.sleep(rest)
         mm = []
@@ -86,6 +92,11 @@ def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int =
             t0 = _clock()
             torch.mm(a, b, out=c)
             mm.append(_clock() - t0)
+        torch.set_num_threads(1)
+        t0 = _clock()
+        torch.mm(a, b, out=c)
+        t_one = _clock() - t0
+        torch.set_num_threads(threads)
         t0 = _clock()
         layer_step(layer, x_TD, grad_TD)
         t_layer = _clock() - t0
@@ -93,7 +104,8 @@ def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int =
         times.append(t_layer)
         rates.append(rate)
         fracs.append(flops / t_layer / rate)
-    return statistics.median(times), statistics.median(rates), statistics.median(fracs)
+        per_core.append(flops / t_layer / (threads * 2 * n**3 / t_one))
+    return statistics.median(times), statistics.median(rates), statistics.median(fracs), statistics.median(per_core)
 
 
 def ideal_expert_flops(T: int, D: int, F: int, K: int, matmuls: int = 3) -> float:
@@ -301,9 +313,9 @@ def main(argv=None):
         T, D, F, E, K = SHAPES[name]
         layer, x_TD, grad_TD = make_layer(T, D, F, E, K)
         flops = ideal_expert_flops(T, D, F, K)
-        t_layer, rate, frac = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps, rest=args.rest)
+        t_layer, rate, frac, per_core = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps, rest=args.rest)
         faults = page_faults(lambda: layer_step(layer, x_TD, grad_TD))
-        rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, faults))
+        rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, per_core, faults))
         del layer, x_TD, grad_TD
     for name in [] if args.no_phases else args.shapes:
         layer, x_TD, grad_TD = make_layer(*SHAPES[name])
@@ -311,10 +323,10 @@ def main(argv=None):
         print(f"{name} phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()))
 
     print()
-    print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | page faults/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, T, D, F, E, K, t, gf, mr, frac, faults in rows:
-        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} | {faults} |")
+    print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | per-core fraction | page faults/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, T, D, F, E, K, t, gf, mr, frac, per_core, faults in rows:
+        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} | {per_core:.2f} | {faults} |")
 
 
 if __name__ == "__main__":
