@@ -19,7 +19,7 @@ from .config import MoEConfig
 from .dispatch import AllToAllDispatcher, LocalDispatcher
 from .experts import DenseFFN, GroupedExperts
 from .losses import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
-from .router import Router
+from .router import Router, RouterLogits
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -98,7 +98,10 @@ class MoELayer(nn.Module):
         T = x_TD.shape[0]
         # capacity and expert choice decide over the whole data-parallel batch, so the kept set is
         # the single-process one on every layout
-        routing = self.router(x_TD, self.dp_group if self.dp_group is not None else self.ep_group)
+        # the logits and the experts' input come out of one node, whose backward sums the two input
+        # gradients into a pooled buffer (RouterLogits)
+        logits_TE, x_TD = RouterLogits.apply(x_TD, self.router.weight, self.experts._pool)
+        routing = self.router.route(logits_TE, self.dp_group if self.dp_group is not None else self.ep_group)
         out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)

@@ -120,3 +120,23 @@ def test_accumulation_and_changing_shapes():
             assert torch.equal(p.grad, ref1[2][n] + ref2[2][n]), n
     held = sum(len(v) for v in layer.experts._pool._slots.values())
     assert held <= 40, f"the pool holds {held} buffers: old shapes are piling up"
+
+
+def test_input_gradient_is_summed_into_a_pooled_buffer():
+    # the router's and the experts' input gradients meet in RouterLogits, which adds them into a
+    # pooled buffer (the same memory every step once the caller drops x.grad), with the same values
+    # as a fresh layer's
+    layer = _layer()
+    template = _fresh(layer)
+    ptrs = set()
+    for seed in range(3):
+        x, grad = _data(seed)
+        x = x.requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        layer(x).backward(grad)
+        assert torch.equal(x.grad, _step(_fresh(template), x.detach(), grad)[1])
+        held = [buf.untyped_storage().data_ptr() for buf, _ in layer.experts._pool._slots.get("x_grad", [])]
+        assert x.grad.untyped_storage().data_ptr() in held, "the input gradient is not a pooled buffer"
+        ptrs.add(x.grad.data_ptr())
+        del x  # drops x.grad: its buffer is free again
+    assert len(ptrs) == 1, "the pooled input gradient buffer was not lent again"
