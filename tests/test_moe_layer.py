@@ -280,6 +280,11 @@ def test_block_queue_order_turns_and_failure(monkeypatch):
     # first blocks of every expert, largest first, then second blocks, ...; an expert's rows are cut
     # into equal parts (9 rows: 3 + 3 + 3), rows in expert order (starts 0, 5, 7)
     assert units == [(3, 7, 10, 0), (0, 0, 2, 0), (2, 5, 7, 0), (0, 2, 5, 1), (3, 10, 13, 1), (3, 13, 16, 2)]
+    # in lanes, the last blocks are halved (their halves `lanes` apart, renumbered in row order),
+    # unless another tail block is of the same expert (expert 3 above)
+    assert moe.experts._BlockQueue([5, 0, 2, 9], block=4, lanes=2).units == units
+    assert moe.experts._BlockQueue([8, 8, 8], block=4, lanes=2).units == [
+        (0, 0, 4, 0), (1, 8, 12, 0), (2, 16, 20, 0), (0, 4, 8, 1), (1, 12, 14, 1), (2, 20, 22, 1), (1, 14, 16, 2), (2, 22, 24, 2)]
     q.wait_turn(3, 0)  # block 0 never waits
     monkeypatch.setattr(moe.experts, "_LANE_WAIT_S", 0.05)
     with pytest.raises(TimeoutError, match="block 0 of expert 3"):
@@ -302,6 +307,30 @@ def test_block_queue_order_turns_and_failure(monkeypatch):
     t.join(10)
     assert not t.is_alive() and len(errors) == 1
     assert q.take() is None
+
+
+def test_block_queue_covers_rows_in_turn_order():
+    # any counts, block size and lane count: the blocks tile every expert's rows exactly, are
+    # numbered 0, 1, ... in row order, and each comes after its predecessor in the queue (what
+    # makes the turns deadlock-free)
+    import random
+
+    import moe.experts
+
+    rng = random.Random(0)
+    for _ in range(300):
+        counts = [rng.choice([0, 1, 2, 5, 9, 40]) for _ in range(rng.randint(1, 7))]
+        q = moe.experts._BlockQueue(counts, block=rng.randint(1, 12), lanes=rng.randint(1, 4))
+        position = {(e, i): j for j, (e, _, _, i) in enumerate(q.units)}
+        for e, (n, start) in enumerate(zip(counts, moe.experts._starts(counts))):
+            mine = sorted((i, a, b) for u, a, b, i in q.units if u == e)
+            if n == 0:
+                assert not mine
+                continue
+            assert [i for i, _, _ in mine] == list(range(len(mine)))
+            assert [a for _, a, _ in mine] == [start] + [b for _, _, b in mine[:-1]]
+            assert mine[-1][2] == start + n and all(b > a for _, a, b in mine)
+            assert all(position[e, i - 1] < position[e, i] for i, _, _ in mine[1:])
 
 
 def test_lane_count_falls_back():
