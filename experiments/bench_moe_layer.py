@@ -1,6 +1,6 @@
 """Benchmark: forward + backward of the dropless MoELayer in fp32 on this CPU.
 
-    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases]
+    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases] [--per-core]
         [--threads N] [--cpu-time] [--keep-freed-memory]
 
 Reports, measured in the same run, the fraction of the machine's dense matmul rate the layer
@@ -66,7 +66,7 @@ def _median_time(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048, rest: float = 2.0):
+def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048, rest: float = 2.0, per_core: bool = False):
     """Alternate three n^3 matmuls with one layer step, ``reps`` times; each pair gives one
     fraction, so a neighbour's load that slows both for a while cancels in the ratio. Returns the
     medians of layer time, matmul rate, fraction, and the fraction against the per-core rate.
@@ -76,27 +76,31 @@ def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int =
     fades within 2 s), which would flatter the layer. Rested, the matmul rate is the machine's best.
 
     The fraction divides by the rate of the n^3 matmul on every intra-op thread, as the goal is
-    defined. The layer's lanes run one thread each and no barrier between them, so each pair also
-    times the matmul on one thread: ``per_core`` divides by threads x that rate, the sum of what the
-    cores reach alone, a bound a multi-threaded matmul does not reach when one vCPU lags."""
+    defined. The layer's lanes run one thread each and no barrier between them, so with
+    ``per_core`` each pair also times the matmul on one thread, first (the layer then follows the
+    all-thread matmuls, as without): the per-core fraction divides by threads x that rate, the sum
+    of what the cores reach alone, a bound a multi-threaded matmul does not reach when one vCPU
+    lags (None without ``per_core``). Opt-in, since it changes what precedes the layer."""
     threads = torch.get_num_threads()
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
     layer_step(layer, x_TD, grad_TD)
     torch.mm(a, b, out=c)
-    times, rates, fracs, per_core = [], [], [], []
+    times, rates, fracs, cores, core_fracs = [], [], [], [], []
     for _ in range(reps):
         time.sleep(rest)
+        if per_core:  # one thread first, so the layer follows the all-thread matmuls
+            torch.set_num_threads(1)
+            t0 = _clock()
+            torch.mm(a, b, out=c)
+            t_one = _clock() - t0
+            torch.set_num_threads(threads)
+            cores.append(threads * 2 * n**3 / t_one)
         mm = []
         for _ in range(3):
             t0 = _clock()
             torch.mm(a, b, out=c)
             mm.append(_clock() - t0)
-        torch.set_num_threads(1)
-        t0 = _clock()
-        torch.mm(a, b, out=c)
-        t_one = _clock() - t0
-        torch.set_num_threads(threads)
         t0 = _clock()
         layer_step(layer, x_TD, grad_TD)
         t_layer = _clock() - t0
@@ -104,8 +108,9 @@ def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int =
         times.append(t_layer)
         rates.append(rate)
         fracs.append(flops / t_layer / rate)
-        per_core.append(flops / t_layer / (threads * 2 * n**3 / t_one))
-    return statistics.median(times), statistics.median(rates), statistics.median(fracs), statistics.median(per_core)
+        if per_core:
+            core_fracs.append(flops / t_layer / cores[-1])
+    return statistics.median(times), statistics.median(rates), statistics.median(fracs), statistics.median(core_fracs) if per_core else None
 
 
 def ideal_expert_flops(T: int, D: int, F: int, K: int, matmuls: int = 3) -> float:
@@ -278,6 +283,7 @@ def main(argv=None):
     ap.add_argument("--grouped-mm", action="store_true", help="GPU: also probe torch._grouped_mm for the experts")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
+    ap.add_argument("--per-core", action="store_true", help="also time the 2048^3 matmul on one thread in each pair (see measure_side_by_side)")
     ap.add_argument("--rest", type=float, default=2.0, help="seconds idle before each matmul + layer pair (see measure_side_by_side)")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's choice)")
     ap.add_argument("--cpu-time", action="store_true", help="time in process CPU time; use with --threads 1 on a busy machine")
@@ -313,7 +319,7 @@ def main(argv=None):
         T, D, F, E, K = SHAPES[name]
         layer, x_TD, grad_TD = make_layer(T, D, F, E, K)
         flops = ideal_expert_flops(T, D, F, K)
-        t_layer, rate, frac, per_core = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps, rest=args.rest)
+        t_layer, rate, frac, per_core = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps, rest=args.rest, per_core=args.per_core)
         faults = page_faults(lambda: layer_step(layer, x_TD, grad_TD))
         rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, per_core, faults))
         del layer, x_TD, grad_TD
@@ -326,7 +332,8 @@ def main(argv=None):
     print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | per-core fraction | page faults/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, T, D, F, E, K, t, gf, mr, frac, per_core, faults in rows:
-        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} | {per_core:.2f} | {faults} |")
+        core = "-" if per_core is None else f"{per_core:.2f}"
+        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} | {core} | {faults} |")
 
 
 if __name__ == "__main__":

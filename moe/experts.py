@@ -153,14 +153,17 @@ class _BufferPool:
 _LANE_MIN_MACS = 1 << 25
 _MAX_LANES = 8  # each lane holds its own block buffers
 _LANE_WAIT_S = 600.0  # a lane waiting for another lane's block longer than this raises
-_lane_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, executor)
+_lane_pool: tuple[int, int, int, ThreadPoolExecutor] | None = None  # (pid, lanes, threads per lane, executor)
 
 
 def _lane_count(counts: list[int], x: torch.Tensor, d_ff: int) -> int:
-    """Lanes for a call: one per intra-op thread, or 1 (this thread, all intra-op threads on each
-    op) when the work is small, on a GPU, or with one thread."""
+    """Lanes for a call: the most (at most ``_MAX_LANES``) that share the intra-op threads evenly,
+    each running ``threads / lanes`` of them (2 threads: 2 lanes of 1; 16: 8 of 2; 12: 6 of 2); or
+    1 (this thread, all intra-op threads on each op) when the work is small, on a GPU, or with one
+    thread."""
     busy = sum(1 for c in counts if c)
-    lanes = min(torch.get_num_threads(), _MAX_LANES)
+    threads = torch.get_num_threads()
+    lanes = max(n for n in range(1, min(threads, _MAX_LANES) + 1) if threads % n == 0)
     if x.device.type != "cpu" or lanes < 2 or busy == 0 or min(sum(counts) / busy, _ROW_BLOCK) * x.shape[1] * d_ff < _LANE_MIN_MACS:
         return 1
     return lanes
@@ -241,10 +244,10 @@ class _BlockQueue:
             self._cond.notify_all()
 
 
-def _init_lane_thread() -> None:
-    torch.set_num_threads(1)
-    # a thread adopts the process-wide default lazily, on its first parallel op: latch 1 now, while
-    # the default is 1 (_run_lanes restores the default once every lane thread has started)
+def _init_lane_thread(threads: int) -> None:
+    torch.set_num_threads(threads)
+    # a thread adopts the process-wide default lazily, on its first parallel op: latch ours now,
+    # while it is the default (_run_lanes restores the default once every lane thread has started)
     torch.get_num_threads()
 
 
@@ -260,26 +263,27 @@ def _lane_call(fn, i: int, queue: _BlockQueue | None) -> None:
 
 def _run_lanes(fn, lanes: int, queue: _BlockQueue | None = None) -> None:
     """``fn(0)``, ..., ``fn(lanes - 1)``: on this thread for one lane, else in parallel on worker threads
-    that each run one intra-op thread. Waits for every lane, then raises the first failure (a lane
-    stopped because another failed raises last)."""
+    that each run ``threads / lanes`` intra-op threads. Waits for every lane, then raises the first
+    failure (a lane stopped because another failed raises last)."""
     if lanes == 1:
         fn(0)
         return
     global _lane_pool
     pid = os.getpid()
-    if _lane_pool is None or _lane_pool[0] != pid or _lane_pool[1] < lanes:  # new after a fork too
+    previous = torch.get_num_threads()
+    per_lane = max(1, previous // lanes)
+    if _lane_pool is None or _lane_pool[:3] != (pid, lanes, per_lane):  # new after a fork too
         if _lane_pool is not None and _lane_pool[0] == pid:
-            _lane_pool[2].shutdown(wait=False)
-        # torch.set_num_threads(1) in a lane thread also sets the default every thread started later
+            _lane_pool[3].shutdown(wait=False)
+        # torch.set_num_threads in a lane thread also sets the default every thread started later
         # adopts: start all lane threads, then give the default back
-        previous = torch.get_num_threads()
-        executor = ThreadPoolExecutor(lanes, thread_name_prefix="moe-lane", initializer=_init_lane_thread)
+        executor = ThreadPoolExecutor(lanes, thread_name_prefix="moe-lane", initializer=_init_lane_thread, initargs=(per_lane,))
         started = threading.Barrier(lanes)
         for f in [executor.submit(started.wait, 60.0) for _ in range(lanes)]:
             f.result()
         torch.set_num_threads(previous)
-        _lane_pool = (pid, lanes, executor)
-    futures = [_lane_pool[2].submit(_lane_call, fn, i, queue) for i in range(lanes)]
+        _lane_pool = (pid, lanes, per_lane, executor)
+    futures = [_lane_pool[3].submit(_lane_call, fn, i, queue) for i in range(lanes)]
     concurrent.futures.wait(futures)
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:

@@ -739,5 +739,27 @@ def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
     t.start()
     t.join()
     assert seen["threads"] == torch.get_num_threads() == 2
-    lane_threads = moe.experts._lane_pool[2].submit(torch.get_num_threads).result()
+    lane_threads = moe.experts._lane_pool[3].submit(torch.get_num_threads).result()
     assert lane_threads == 1
+
+
+def test_lanes_share_many_threads(lanes, monkeypatch):
+    # 4 intra-op threads and at most 2 lanes: each lane runs 2 threads, so none sits idle, and the
+    # results still match the reference; the caller keeps its 4
+    import moe.experts
+
+    monkeypatch.setattr(moe.experts, "_MAX_LANES", 2)
+    torch.set_num_threads(4)
+    shape, kw = CASES["odd"]
+    layer = make(no_aux(d_model=shape[-1], **kw))
+    torch.manual_seed(1)
+    check_against_naive(layer, torch.randn(shape), torch.float32, "odd")
+    assert lanes and all(n == 2 for n in lanes)
+    assert moe.experts._lane_pool[2] == 2
+    assert sorted(f.result() for f in [moe.experts._lane_pool[3].submit(torch.get_num_threads) for _ in range(4)]) == [2] * 4
+    assert torch.get_num_threads() == 4
+    assert moe.experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == 2
+    monkeypatch.setattr(moe.experts, "_MAX_LANES", 8)
+    for threads, expected in ((16, 8), (12, 6), (9, 3), (7, 7)):
+        torch.set_num_threads(threads)
+        assert moe.experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == expected, threads

@@ -1,0 +1,20 @@
+"""The CPU layer benchmark's measuring code runs (on a tiny layer): benchmarks are scripts, not
+tests, but a broken one should not wait for the next person who wants a figure."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.bench_moe_layer import ideal_expert_flops, make_layer, measure_side_by_side
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.mark.parametrize("per_core", [False, True])
+def test_measure_side_by_side_reports_ratios(per_core):
+    T, D, F, E, K = 64, 16, 32, 4, 2
+    layer, x, g = make_layer(T, D, F, E, K)
+    t, rate, frac, core = measure_side_by_side(layer, x, g, ideal_expert_flops(T, D, F, K), reps=3, n=64, rest=0.0, per_core=per_core)
+    assert t > 0 and rate > 0 and frac > 0
+    assert (core is None) != per_core and (core is None or core > 0)
+    assert x.grad is not None and layer.experts.w1.grad is not None  # it ran forward and backward
