@@ -144,7 +144,7 @@ class _BufferPool:
 # plan (balanced rows) one lane sat idle for 13% of a step on average at S1 (1-29%, 10 steps).
 # Nothing a lane computes depends on which lane runs a block: each block writes its own rows of an
 # expert-ordered buffer, the rows are summed into token order afterwards with the slots in a fixed
-# order (``_combine_rows``), and an expert's weight gradients add up block by block in block order.
+# order (``_rows_to_tokens``), and an expert's weight gradients add up block by block in block order.
 
 # below this much work per matmul (rows per expert, at most a block, x D x F multiply-adds; ~0.5 ms
 # on one core) a call stays on the calling thread: the lanes' Python between ops then contends for
@@ -294,10 +294,11 @@ def _run_lanes(fn, lanes: int, queue: _BlockQueue | None = None) -> None:
 _COMBINE_BLOCK_T = 256
 
 
-def _combine_rows(rows_SD: torch.Tensor, dest_TK: torch.Tensor, src_S: torch.Tensor, out_TD: torch.Tensor, lanes: int) -> torch.Tensor:
+def _rows_to_tokens(rows_SD: torch.Tensor, dest_TK: torch.Tensor, src_S: torch.Tensor, out_TD: torch.Tensor, lanes: int) -> torch.Tensor:
     """``out[t] = sum_k rows[dest[t, k]]`` over the kept slots, in slot order: the expert-ordered
-    rows back into token order. ``rows_SD`` has one row more than there are kept rows, a zero row
-    that the dropped slots read. The tokens are split between the lanes.
+    rows back into token order. Unlike ``routing_kernels.unpermute_combine`` the rows come already
+    scaled by their combine weights, and the tokens are split between the lanes. ``rows_SD`` has one
+    row more than there are kept rows, a zero row that the dropped slots read.
 
     When most slots are empty (expert choice: E slots, about k kept) reading every slot would cost
     E rows a token; the rows are then added by ``index_add_`` in row order instead, on this thread.
@@ -331,7 +332,7 @@ class _ExpertBlocks(torch.autograd.Function):
     ``routing_kernels.permute`` and ``unpermute_combine``). Tokens: ``x`` is ``[T, D]`` in token
     order and the op folds the permutation and the weighted combine in, the local CPU path: each
     block gathers its token rows into a scratch buffer, and its outputs, scaled by the combine
-    weights, go to an expert-ordered buffer that ``_combine_rows`` sums into token order. The inputs
+    weights, go to an expert-ordered buffer that ``_rows_to_tokens`` sums into token order. The inputs
     in expert order never exist as an [S, D] buffer (at S = 49152, D = 512 that would be 100 MB
     written and read again), nor do the unscaled outputs.
 
@@ -359,7 +360,7 @@ class _ExpertBlocks(torch.autograd.Function):
         h1_SF = pool.empty("h1", (S, Fdim), x)
         h3_SF = pool.empty("h3", (S, Fdim), x) if swiglu else None
         lanes = _lane_count(counts, x, Fdim)
-        # tokens: the outputs' rows plus a zero row that dropped slots read (see _combine_rows)
+        # tokens: the outputs' rows plus a zero row that dropped slots read (see _rows_to_tokens)
         y_SD = pool.empty("rows", (S + 1, D), x) if tokens else pool.empty("y", (S, D), x)
         if tokens:
             y_SD[S].zero_()
@@ -392,7 +393,7 @@ class _ExpertBlocks(torch.autograd.Function):
                     y.mul_(w_S[a:b].unsqueeze(1))
 
         _run_lanes(lane, lanes, queue)
-        out = _combine_rows(y_SD, dest_TK, src_S, pool.empty("out", (x.shape[0], D), x), lanes) if tokens else y_SD
+        out = _rows_to_tokens(y_SD, dest_TK, src_S, pool.empty("out", (x.shape[0], D), x), lanes) if tokens else y_SD
         ctx.save_for_backward(x, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF)
         ctx.counts = counts
         ctx.pool = pool
@@ -480,7 +481,7 @@ class _ExpertBlocks(torch.autograd.Function):
         _run_lanes(lane, lanes, queue)
         dx = None
         if need_x:
-            dx = _combine_rows(dx_SD, dest_TK, src_S, pool.empty("dx", x.shape, x), lanes) if tokens else dx_SD
+            dx = _rows_to_tokens(dx_SD, dest_TK, src_S, pool.empty("dx", x.shape, x), lanes) if tokens else dx_SD
         for dw in (dw1, dw3, dw2):
             if dw is not None:
                 _zero_empty(dw, counts)
