@@ -111,7 +111,10 @@ class _BufferPool:
     def empty(self, slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape`` and ``like``'s dtype and device."""
         shape = torch.Size(shape)
-        if like.device.type != "cpu" or not _HAS_USE_COUNT or shape.numel() * like.element_size() < _POOL_MIN_BYTES:
+        # a buffer made under inference mode is an inference tensor, which a later training step
+        # could neither write in place nor save for backward: inference mode does not pool
+        if (like.device.type != "cpu" or not _HAS_USE_COUNT or torch.is_inference_mode_enabled()
+                or shape.numel() * like.element_size() < _POOL_MIN_BYTES):
             return like.new_empty(shape)
         held = self._slots.setdefault(slot, [])
         keep = []

@@ -140,3 +140,16 @@ def test_input_gradient_is_summed_into_a_pooled_buffer():
         ptrs.add(x.grad.data_ptr())
         del x  # drops x.grad: its buffer is free again
     assert len(ptrs) == 1, "the pooled input gradient buffer was not lent again"
+
+
+def test_inference_mode_then_training():
+    # an evaluation under torch.inference_mode() before training: a buffer pooled there would be an
+    # inference tensor, which the training step could neither fill in place nor save for backward
+    layer = _layer()
+    template = _fresh(layer)
+    x, grad = _data(1)
+    with torch.inference_mode():
+        evaluated = layer(x)
+    _assert_equal(_step(layer, x, grad), _step(_fresh(template), x, grad))
+    with torch.inference_mode():
+        assert torch.equal(layer(x), evaluated)
