@@ -173,7 +173,7 @@ def _lane_count(counts: list[int], x: torch.Tensor, d_ff: int) -> int:
 
 
 class _LaneFailed(RuntimeError):
-    pass
+    """A lane stopped because another lane failed; ``_run_lanes`` raises the other lane's error."""
 
 
 class _BlockQueue:
