@@ -87,7 +87,8 @@ _HAS_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
 
 
 class _BufferPool:
-    """The fused CPU path's large buffers, kept from step to step: a small caching allocator.
+    """The CPU path's large buffers (``_ExpertBlocks``, and ``RouterLogits``' input gradient), kept
+    from step to step: a small caching allocator.
 
     Fresh memory costs a page fault per 4 KB on first touch (2.2 us each here), every step: glibc
     maps blocks above its threshold (at most 32 MB) anew and returns freed heap to the OS. A step at
@@ -288,7 +289,7 @@ def _run_lanes(fn, lanes: int, queue: _BlockQueue | None = None) -> None:
         _lane_pool = (pid, lanes, per_lane, executor)
     futures = [_lane_pool[3].submit(_lane_call, fn, i, queue) for i in range(lanes)]
     concurrent.futures.wait(futures)
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    errors = [err for err in (f.exception() for f in futures) if err is not None]
     if errors:
         raise min(errors, key=lambda err: isinstance(err, _LaneFailed))
 
