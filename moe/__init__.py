@@ -2,7 +2,9 @@
 from .config import MoEConfig
 from .dispatch import AllToAllDispatcher, LocalDispatcher
 from .experts import DenseFFN, GroupedExperts
-from .layer import MoELayer, MoEStats, is_expert_param, moe_layers, scale_aux_losses, update_expert_biases
+from routing_kernels.runtime import is_expert_param
+
+from .layer import MoELayer, MoEStats, moe_layers, scale_aux_losses, update_expert_biases
 from .losses import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
 from .router import Router, Routing, capacity, capacity_keep_mask
 from .model import Transformer, TransformerConfig

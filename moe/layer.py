@@ -1,6 +1,7 @@
 """``MoELayer``: a drop-in replacement for a dense FFN.
 
-Legend: T tokens, K slots, D model dim, E experts.
+Shapes follow the project's legend (docs/design.md): T tokens, K routing slots, D model dim,
+E experts of the model.
 
 ``forward(x)`` maps ``[..., D]`` to the same shape. The auxiliary losses reach the backward pass
 through the output itself (``_AttachAuxLoss``, after Megatron-Core's aux-loss auto-scaler), so a
@@ -14,12 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .comm import all_reduce_sum, group_size
+from routing_kernels.runtime import all_reduce_sum, group_size, in_backward, is_expert_param
+
 from .config import MoEConfig
 from .dispatch import AllToAllDispatcher, LocalDispatcher
 from .experts import DenseFFN, GroupedExperts
 from .losses import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
-from .router import Router, RouterLogits
+from .router import Router
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -38,10 +40,15 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_out, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_out.device), None
 
 
-def _in_backward() -> bool:
-    # activation checkpointing re-runs forward inside the backward pass; statistics must not be
-    # counted a second time then
-    return torch._C._current_graph_task_id() != -1
+def _all_reduce_fields(fields: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+    """Each named tensor summed over ``group`` (in float64), all of them in one all-reduce."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in fields.values()])
+    all_reduce_sum(flat, group)
+    out, start = {}, 0
+    for name, t in fields.items():
+        out[name] = flat[start : start + t.numel()].view(t.shape)
+        start += t.numel()
+    return out
 
 
 @dataclass
@@ -98,41 +105,35 @@ class MoELayer(nn.Module):
         T = x_TD.shape[0]
         # capacity and expert choice decide over the whole data-parallel batch, so the kept set is
         # the single-process one on every layout
-        # the logits and the experts' input come out of one node, whose backward sums the two input
-        # gradients into a pooled buffer (RouterLogits)
-        logits_TE, x_TD = RouterLogits.apply(x_TD, self.router.weight, self.experts._pool)
-        routing = self.router.route(logits_TE, self.dp_group if self.dp_group is not None else self.ep_group)
+        routing = self.router(x_TD, self.dp_group if self.dp_group is not None else self.ep_group)
         out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
 
         z_loss = router_z_loss(routing.logits_TE)  # one logsumexp serves the loss and its statistic
-        entropy_sum = routing_entropy(routing.probs_TE.detach()) * T
-        # one all-reduce carries every global statistic: routed counts, tokens, dropped, prob sums,
-        # and no host sync on the way (no .item(), no boolean-mask indexing)
         E = cfg.num_experts
         K = routing.selected_TK.shape[1]
         # slot ids shifted by one so a -1 (a slot no expert took, expert choice) lands in bin 0
-        local_counts_E = torch.zeros(E + 1, dtype=torch.float64, device=x.device)
-        local_counts_E.scatter_add_(0, routing.selected_TK.reshape(-1) + 1, torch.ones(routing.selected_TK.numel(), dtype=torch.float64, device=x.device))
-        packed = torch.cat([
-            local_counts_E[1:],
-            torch.full((1,), float(T), dtype=torch.float64, device=x.device),
-            routing.num_dropped.reshape(1).double(),
-            routing.probs_TE.detach().sum(0).double(),
-            (z_loss.detach() * T).reshape(1).double(),
-            entropy_sum.reshape(1).double(),
-        ])
-        all_reduce_sum(packed, self.dp_group)
-        counts_E = packed[:E]
-        T_global = packed[E].clamp(min=1.0)
-        dropped = packed[E + 1]
+        counts_E1 = torch.zeros(E + 1, dtype=torch.float64, device=x.device)
+        counts_E1.scatter_add_(0, routing.selected_TK.reshape(-1) + 1, torch.ones(routing.selected_TK.numel(), dtype=torch.float64, device=x.device))
+        # one all-reduce carries every global statistic, with no host sync on the way (no .item(),
+        # no boolean-mask indexing)
+        total = _all_reduce_fields({
+            "counts_E": counts_E1[1:],
+            "tokens": torch.full((), float(T), dtype=torch.float64, device=x.device),
+            "dropped": routing.num_dropped,
+            "prob_sums_E": routing.probs_TE.detach().sum(0),
+            "z_loss_sum": z_loss.detach() * T,
+            "entropy_sum": routing_entropy(routing.probs_TE.detach()) * T,
+        }, self.dp_group)
+        counts_E = total["counts_E"]
+        T_global = total["tokens"].clamp(min=1.0)
 
         zero = routing.logits_TE.sum() * 0.0
         lb_loss = lb_value = zero
         if cfg.router == "token_choice":
             lb_loss = zero if T == 0 else load_balancing_loss(routing.probs_TE, counts_E.float(), K, T_global.float())
-            P_global = (packed[E + 2 : 2 * E + 2] / T_global).float()
+            P_global = (total["prob_sums_E"] / T_global).float()
             lb_value = E * torch.dot((counts_E / (K * T_global)).float(), P_global)
         seq_loss = zero
         if cfg.seq_aux_loss_coef > 0 and cfg.router == "token_choice" and T > 0:
@@ -148,16 +149,16 @@ class MoELayer(nn.Module):
         if torch.is_grad_enabled() and aux.requires_grad:
             out_TD = _AttachAuxLoss.apply(out_TD, aux, self.aux_loss_scale)
 
-        if not _in_backward():
+        if not in_backward():
             if self.training:
                 self.load_since_update += counts_E.to(self.load_since_update.dtype)
             self.stats = MoEStats(
                 aux_loss=lb_value.detach(),
                 seq_aux_loss=seq_loss.detach(),
-                z_loss=(packed[-2] / T_global).float(),
-                tokens_per_expert=counts_E.detach().long(),
-                dropped_fraction=(dropped / (K * T_global)).float(),
-                router_entropy=(packed[-1] / T_global).float(),
+                z_loss=(total["z_loss_sum"] / T_global).float(),
+                tokens_per_expert=counts_E.long(),
+                dropped_fraction=(total["dropped"] / (K * T_global)).float(),
+                router_entropy=(total["entropy_sum"] / T_global).float(),
             )
         return out_TD.view(shape)
 
@@ -185,7 +186,3 @@ def scale_aux_losses(model: nn.Module, scale: float) -> None:
 def update_expert_biases(model: nn.Module, rate: float | None = None) -> None:
     for layer in moe_layers(model):
         layer.update_expert_bias(rate)
-
-
-def is_expert_param(p: torch.Tensor) -> bool:
-    return getattr(p, "expert_parallel", False)

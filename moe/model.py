@@ -20,7 +20,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import MoEConfig
 from .experts import DenseFFN
-from .layer import MoELayer, is_expert_param, moe_layers
+from routing_kernels.runtime import is_expert_param
+
+from .layer import MoELayer, moe_layers
 
 
 @dataclass

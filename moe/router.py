@@ -1,6 +1,7 @@
 """Routers: which experts each token goes to, and with what weight.
 
-Legend: T tokens, K routing slots, E experts, G expert groups.
+Shapes follow the project's legend (docs/design.md): T tokens, K routing slots, E experts, G expert
+groups.
 
 The router always computes in fp32 (its softmax is where bf16 hurts). Its output is a ``Routing``
 whose ``expert_ids_TK`` is -1 for an assignment dropped at capacity (or, for expert choice, a slot
@@ -13,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.nn.functional as nnf
 
-from .comm import gather_rows
+from routing_kernels.runtime import gather_rows
+
 from .config import MoEConfig
 
 
@@ -27,39 +29,6 @@ class Routing:
     probs_TE: torch.Tensor  # per-token distribution over experts (softmax, or normalised sigmoid)
     selected_TK: torch.Tensor  # experts chosen before capacity (token choice), for load statistics
     num_dropped: torch.Tensor  # assignments dropped at capacity (local, long scalar)
-
-
-class RouterLogits(torch.autograd.Function):
-    """``(x @ weight.T in fp32, x)``: the router's logits, and the input passed on for the experts.
-
-    Without it the input has two consumers, the router and the experts, and autograd sums their
-    input gradients out of place: two fresh [T, D] tensors a step (16 MB each at T=8192, D=512,
-    touched for the first time at a page fault per 4 KB) and a pass over both. Here one node owns
-    both uses, and its backward adds the router's share to the experts' with one ``addmm`` into a
-    buffer ``pool`` keeps from step to step (``moe.experts._BufferPool``). The second output is an
-    alias of the input: do not modify it in place.
-    """
-
-    @staticmethod
-    def forward(ctx, x_TD, weight_ED, pool):
-        ctx.save_for_backward(x_TD, weight_ED)
-        ctx.pool = pool
-        return F.linear(x_TD.float(), weight_ED.float()), x_TD.view_as(x_TD)
-
-    @staticmethod
-    def backward(ctx, grad_logits_TE, grad_x_TD):
-        x_TD, weight_ED = ctx.saved_tensors
-        # (autograd hands a zero tensor for an output nobody used: neither gradient is None)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            w = weight_ED.float()
-            if grad_x_TD.dtype == torch.float32:
-                dx = torch.addmm(grad_x_TD, grad_logits_TE, w, out=ctx.pool.empty("x_grad", x_TD.shape, grad_x_TD))
-            else:
-                dx = grad_x_TD + (grad_logits_TE @ w).to(grad_x_TD.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (grad_logits_TE.t() @ x_TD.float()).to(weight_ED.dtype)
-        return dx, dw, None
 
 
 def capacity(capacity_factor: float, top_k: int, num_tokens: int, num_experts: int) -> int:
@@ -104,13 +73,8 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor, group=None) -> Routing:
         """``group``: the processes whose tokens form the batch that capacity and expert choice
         decide over (the data-parallel group); None is this process's tokens."""
-        return self.route(F.linear(x_TD.float(), self.weight.float()), group)
-
-    def route(self, logits_TE: torch.Tensor, group=None) -> Routing:
-        """The routing decision from fp32 logits ``x @ weight.T`` (``forward`` computes them; the
-        layer does so itself, see ``RouterLogits``)."""
-        cfg = self.cfg
-        if cfg.router == "expert_choice":
+        logits_TE = nnf.linear(x_TD.float(), self.weight.float())
+        if self.cfg.router == "expert_choice":
             return self._expert_choice(logits_TE, group)
         return self._token_choice(logits_TE, group)
 

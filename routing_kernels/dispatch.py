@@ -1,20 +1,35 @@
-"""The one place that picks an implementation: Triton on CUDA tensors, the torch reference elsewhere.
+"""The one place that picks an implementation of each op.
 
-Override with the environment variable ``SWITCHYARD_KERNELS`` (``auto``, ``triton``,
-``reference``) or, in code and tests, with ``use_backend(...)``. ``triton`` on CPU tensors runs
-the kernels under ``TRITON_INTERPRET=1`` (which must be set before triton is imported).
+Routing ops (``routing_metadata``, ``permute``, ``unpermute_combine``) and ``fused_adamw``: Triton on
+CUDA tensors, the torch reference elsewhere. Override with the environment variable
+``SWITCHYARD_KERNELS`` (``auto``, ``triton``, ``reference``) or, in code and tests,
+``use_backend(...)``. ``triton`` on CPU tensors runs the kernels under ``TRITON_INTERPRET=1``
+(which must be set before triton is imported).
+
+The expert FFN (``expert_ffn``) has three backends: ``grouped_mm`` (one ``torch._grouped_mm`` per
+weight; by default for bf16 on Hopper), ``cpu_blocks`` (the CPU path, ``cpu_experts``; by default on
+the CPU) and ``loop`` (the per-expert reference; everywhere else, and whenever the kernel backend is
+``reference``). Override with ``SWITCHYARD_EXPERTS`` (``auto`` or a backend) or
+``use_expert_backend(...)``. A forced ``grouped_mm`` whose operands ``_grouped_mm`` does not take
+(misaligned, no rows, or a torch without it) runs the loop.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 
-from . import reference
+import torch
+
+from . import cpu_experts, grouped_gemm, reference
 
 _VALID = ("auto", "triton", "reference")
 _backend = os.environ.get("SWITCHYARD_KERNELS", "auto")
 if _backend not in _VALID:
     raise ValueError(f"SWITCHYARD_KERNELS={_backend!r} is not one of {_VALID}")
+_EXPERT_BACKENDS = ("auto", "grouped_mm", "cpu_blocks", "loop")
+_expert_backend = os.environ.get("SWITCHYARD_EXPERTS", "auto")
+if _expert_backend not in _EXPERT_BACKENDS:
+    raise ValueError(f"SWITCHYARD_EXPERTS={_expert_backend!r} is not one of {_EXPERT_BACKENDS}")
 
 
 def get_backend() -> str:
@@ -36,6 +51,27 @@ def use_backend(name: str):
         yield
     finally:
         set_backend(previous)
+
+
+def get_expert_backend() -> str:
+    return _expert_backend
+
+
+def set_expert_backend(name: str) -> None:
+    global _expert_backend
+    if name not in _EXPERT_BACKENDS:
+        raise ValueError(f"expert backend {name!r} is not one of {_EXPERT_BACKENDS}")
+    _expert_backend = name
+
+
+@contextlib.contextmanager
+def use_expert_backend(name: str):
+    previous = get_expert_backend()
+    set_expert_backend(name)
+    try:
+        yield
+    finally:
+        set_expert_backend(previous)
 
 
 def triton_available() -> bool:
@@ -79,3 +115,48 @@ def unpermute_combine(y_SD, dest_TK, weights_TK):
 def fused_adamw(param, grad, exp_avg, exp_avg_sq, **kwargs):
     impl = _triton_impl() if _use_triton(param) else reference
     return impl.fused_adamw(param, grad, exp_avg, exp_avg_sq, **kwargs)
+
+
+def expert_backend(x: torch.Tensor, w1_XDF: torch.Tensor, w3_XDF: torch.Tensor | None, w2_XFD: torch.Tensor) -> str:
+    """The backend ``expert_ffn`` runs for these operands (rows in expert order ``x``)."""
+    choice = _expert_backend
+    if choice == "auto":
+        if _backend == "reference":
+            choice = "loop"
+        elif x.device.type == "cpu":
+            choice = "cpu_blocks"
+        else:
+            choice = "grouped_mm" if grouped_gemm.preferred(x, w1_XDF) else "loop"
+    if choice == "grouped_mm" and not grouped_gemm.accepts(x, *[w for w in (w1_XDF, w3_XDF, w2_XFD) if w is not None]):
+        return "loop"
+    if choice == "cpu_blocks" and x.device.type != "cpu":
+        raise ValueError(f"expert backend 'cpu_blocks' runs on the CPU only, got a tensor on {x.device}")
+    return choice
+
+
+_EXPERT_IMPLS = {"grouped_mm": grouped_gemm.expert_ffn, "cpu_blocks": cpu_experts.expert_ffn, "loop": reference.expert_ffn}
+
+
+def expert_ffn(x, counts: list[int], w1_XDF, w3_XDF, w2_XFD, dest_TK=None, weights_TK=None):
+    """Every expert's FFN over its rows: SwiGLU ``(silu(x w1[e]) * (x w3[e])) w2[e]``, or GELU
+    ``gelu(x w1[e]) w2[e]`` when ``w3_XDF`` is None.
+
+    Rows mode (``dest_TK`` None): ``x`` is ``[S, D]`` in expert order, ``counts[e]`` rows of expert
+    e after those of expert e - 1; returns ``[S, D]`` in the same order. Tokens mode: ``x`` is
+    ``[T, D]`` in token order and ``dest_TK``/``counts`` come from ``routing_metadata``; returns
+    ``unpermute_combine(expert_ffn(permute(x)), dest_TK, weights_TK)``, which the CPU backend runs as
+    one pass without the expert-ordered buffers.
+    """
+    X = w1_XDF.shape[0]
+    if len(counts) != X:
+        raise ValueError(f"got {len(counts)} segment counts for {X} experts")
+    if (dest_TK is None) != (weights_TK is None):
+        raise ValueError("dest_TK and weights_TK go together: both for tokens mode, neither for rows mode")
+    backend = expert_backend(x, w1_XDF, w3_XDF, w2_XFD)
+    if dest_TK is None:
+        return _EXPERT_IMPLS[backend](x, counts, w1_XDF, w3_XDF, w2_XFD)
+    if backend == "cpu_blocks" and _backend != "triton":
+        return cpu_experts.routed_expert_ffn(x, dest_TK, weights_TK, counts, w1_XDF, w3_XDF, w2_XFD)
+    x_SD = permute(x, dest_TK, sum(counts))
+    y_SD = _EXPERT_IMPLS[expert_backend(x_SD, w1_XDF, w3_XDF, w2_XFD)](x_SD, counts, w1_XDF, w3_XDF, w2_XFD)
+    return unpermute_combine(y_SD, dest_TK, weights_TK.to(y_SD.dtype))

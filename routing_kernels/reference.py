@@ -12,6 +12,7 @@ destination row is -1.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as nnf
 
 
 def routing_metadata(expert_ids_TK: torch.Tensor, num_experts: int):
@@ -135,6 +136,23 @@ def unpermute_combine(y_SD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: tor
     assignment gets zeros (the residual stream carries it).
     """
     return _UnpermuteCombine.apply(y_SD, dest_TK, weights_TK)
+
+
+def expert_ffn(x_SD: torch.Tensor, counts: list[int], w1_XDF: torch.Tensor, w3_XDF: torch.Tensor | None,
+               w2_XFD: torch.Tensor) -> torch.Tensor:
+    """Each expert's FFN over its contiguous segment of rows (``counts[e]`` rows for expert e), one
+    expert at a time, differentiated by autograd: SwiGLU ``(silu(x w1) * (x w3)) w2``, or GELU
+    ``gelu(x w1) w2`` when ``w3`` is None."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        x = x_SD[start : start + n]
+        h = x @ w1_XDF[e]
+        act = nnf.silu(h) * (x @ w3_XDF[e]) if w3_XDF is not None else nnf.gelu(h)
+        out.append(act @ w2_XFD[e])
+        start += n
+    if not out:
+        return x_SD.new_zeros(0, w2_XFD.shape[2])
+    return torch.cat(out)
 
 
 def fused_adamw(

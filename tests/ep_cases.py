@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moe import MoEConfig, MoELayer
+from routing_kernels.runtime import expert_shard
 from zero import Layout, clip_grad_norm_, sync_gradients
 
 
@@ -20,14 +21,10 @@ def copy_full_into_sharded(sharded: nn.Module, full: nn.Module) -> None:
     with torch.no_grad():
         for name, p in sharded.named_parameters():
             src = full_state[name]
-            if getattr(p, "expert_parallel", False):
-                experts = _owner(sharded, name)
-                src = src[experts.expert_offset : experts.expert_offset + experts.num_local]
+            mark = expert_shard(p)
+            if mark is not None:
+                src = src[mark.offset : mark.offset + p.shape[0]]
             p.copy_(src)
-
-
-def _owner(model, param_name):
-    return model.get_submodule(param_name.rsplit(".", 1)[0])
 
 
 def global_batch(n, d, seed=1):

@@ -17,7 +17,7 @@ What each stage keeps per rank (P parameters, W ranks of the sharding group):
     stage 3: stage 2, and the weights are a 1/W slice too: each block's weights are all-gathered
              just before its forward and again before its backward, and freed after each; the next
              block's gather is started (async) while the current block computes.
-Dense parameters shard over ``layout.dp_group``; expert parameters (``p.expert_parallel``) over
+Dense parameters shard over ``layout.dp_group``; expert parameters (marked by the experts module, ``routing_kernels.runtime.expert_shard``) over
 ``layout.edp_group``. Gradients are summed by the reduction and multiplied by 1/dp inside the
 update, which is exactly the stage-0 rule of ``zero.grad_sync`` (dense averaged over dp, experts
 summed over edp and divided by dp).
@@ -56,10 +56,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 import routing_kernels
+from routing_kernels.runtime import all_gather_into, expert_shard, in_backward, is_expert_param
 
-from moe import GroupedExperts, is_expert_param
-
-from .flat import FlatGroup, all_gather_flat
+from .flat import FlatGroup
 from .layout import Layout
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -67,11 +66,6 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # stage 3 holds the block that computes plus the one being prefetched, never more
 _MAX_GATHERED = 2
 _CPU_ADAM_CHUNK = 1 << 16  # elements: 256 KiB of fp32 per operand, within a core's L2
-
-
-def _in_backward() -> bool:
-    # activation checkpointing re-runs a block's forward inside the backward pass
-    return torch._C._current_graph_task_id() != -1
 
 
 class _Unit:
@@ -178,9 +172,10 @@ class ZeroEngine:
 
         decays = (lambda n, p: True) if weight_decay_filter is None else weight_decay_filter
         ep = 1 if layout is None else layout.ep
-        for mname, m in model.named_modules():
-            if isinstance(m, GroupedExperts) and m.num_local * ep != m.num_global:
-                raise ValueError(f"{mname} holds {m.num_local} of {m.num_global} experts but the layout has ep={ep}; "
+        for n, p in named:
+            mark = expert_shard(p)
+            if mark is not None and p.shape[0] * ep != mark.num_experts:
+                raise ValueError(f"{n} holds {p.shape[0]} of {mark.num_experts} experts but the layout has ep={ep}; "
                                  f"build the MoE layers with the layout's ep_group")
         self.module = model
         self.layout = layout if layout is not None else Layout.single()
@@ -200,11 +195,6 @@ class ZeroEngine:
         self.gather_stats = {"gathers": 0, "prefetches": 0, "max_gathered_blocks": 0}
 
         # ----- units: each parameter belongs to the first block that contains it, else the root
-        expert_info = {}
-        for mname, m in model.named_modules():
-            if isinstance(m, GroupedExperts):
-                for pname, _ in m.named_parameters(recurse=False):
-                    expert_info[f"{mname}.{pname}" if mname else pname] = (m.expert_offset, m.num_global)
         owner = {}
         for b in blocks:
             for p in b.parameters():
@@ -230,8 +220,7 @@ class ZeroEngine:
                 # undecayed range, two calls of the fused update
                 chosen.sort(key=lambda np_: not decays(*np_))
                 f = FlatGroup([n for n, _ in chosen], [p for _, p in chosen], kind, group, stage=stage,
-                              compute_dtype=self.compute_dtype, opt_device=self.opt_device, offload=offload,
-                              expert_info=expert_info)
+                              compute_dtype=self.compute_dtype, opt_device=self.opt_device, offload=offload)
                 f.decay_end = sum(p.numel() for n, p in chosen if decays(n, p))  # flat offset where decay stops
                 f.build(src if sync_module_states else None)
                 flats.append(f)
@@ -378,7 +367,7 @@ class ZeroEngine:
                 full = master
             else:
                 full = torch.empty(f.padded, dtype=torch.float32, device=self.device)
-                all_gather_flat(full, master.contiguous(), f.group)
+                all_gather_into(full, master.contiguous(), f.group)
             for n, off, k, shape in zip(f.names, f.offsets, f.numels, f.shapes):
                 out[n] = full[off : off + k].view(shape).clone().cpu()
         return out
@@ -399,7 +388,7 @@ class ZeroEngine:
             g = f.reduced_grad().float()
             if f.stage != 0 and f.world > 1:
                 full = torch.empty(f.padded, dtype=torch.float32, device=g.device)
-                all_gather_flat(full, g.contiguous(), f.group)
+                all_gather_into(full, g.contiguous(), f.group)
                 g = full
             for n, off, k, shape in zip(f.names, f.offsets, f.numels, f.shapes):
                 out[n] = (g[off : off + k].view(shape) / self.layout.dp).cpu()
@@ -412,7 +401,7 @@ class ZeroEngine:
 
     # ----- forward hooks ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args, kwargs):
-        if not _in_backward():
+        if not in_backward():
             if self._fwd_order:
                 self._prev_fwd_order = self._fwd_order
             self._fwd_order = []
@@ -426,24 +415,24 @@ class ZeroEngine:
     def _root_post_forward(self, module, args, output):
         if self.root is None:
             return
-        if torch.is_grad_enabled() and not _in_backward():
+        if torch.is_grad_enabled() and not in_backward():
             self._register_pre_backward(self.root, output)
         elif self.stage == 3 and not torch.is_grad_enabled() and not self.keep_gathered:
             self._free_unit(self.root)
 
     def _make_pre_forward(self, unit: _Unit):
         def hook(module, args):
-            if not _in_backward():
+            if not in_backward():
                 self._fwd_order.append(unit)
             if self.stage == 3:
                 self._gather(unit)
-                if not _in_backward():
+                if not in_backward():
                     self._prefetch(self._neighbour(unit, +1))
         return hook
 
     def _make_post_forward(self, unit: _Unit):
         def hook(module, args, output):
-            if _in_backward():
+            if in_backward():
                 return  # recomputation for activation checkpointing: the backward frees it
             hooked = torch.is_grad_enabled() and self._register_pre_backward(unit, output)
             # an output the hook cannot see into (not a tensor, list, tuple or dict) gives no signal

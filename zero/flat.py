@@ -21,18 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.comm import group_rank, group_size
-
-
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    # all_gather_single replaces all_gather_into_tensor in newer torch; keep both working
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
-
-
-def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+from routing_kernels.runtime import all_gather_into, expert_shard, group_rank, group_size, reduce_scatter_into
 
 
 def _free(t: torch.Tensor) -> None:
@@ -64,7 +53,7 @@ class ParamSlice:
 class FlatGroup:
     """One unit's dense or expert parameters as a flat buffer sharded over ``group``."""
 
-    def __init__(self, names, params, kind: str, group, *, stage: int, compute_dtype, opt_device, offload: bool, expert_info: dict):
+    def __init__(self, names, params, kind: str, group, *, stage: int, compute_dtype, opt_device, offload: bool):
         self.names = list(names)
         self.params = list(params)
         self.kind = kind  # "dense" or "expert"
@@ -85,7 +74,6 @@ class FlatGroup:
         self.device = self.params[0].device
         self.opt_device = opt_device
         self.offload = offload
-        self.expert_info = expert_info  # name -> (expert_offset, num_global_experts)
         self.written = [False] * len(self.params)  # which gradient slices hold this step's values
         self.grad_full_P: torch.Tensor | None = None
         self.grad_shard_S: torch.Tensor | None = None
@@ -146,7 +134,7 @@ class FlatGroup:
         if self.is_gathered() or self.gather_handle is not None:
             return
         self.full_P.untyped_storage().resize_(self.padded * self.full_P.element_size())
-        self.gather_handle = all_gather_flat(self.full_P, self.shard_S, self.group, async_op=True)
+        self.gather_handle = all_gather_into(self.full_P, self.shard_S, self.group, async_op=True)
 
     def wait_gather(self) -> None:
         if self.gather_handle is None:
@@ -198,10 +186,10 @@ class FlatGroup:
         if self.stage == 1:
             # in place into this rank's slice of the full buffer (NCCL's documented in-place form,
             # recvbuff = sendbuff + rank * count; gloo copies its input first): no second buffer
-            return reduce_scatter_flat(self.grad_full_P[self.lo : self.hi], self.grad_full_P, self.group, async_op=True)
+            return reduce_scatter_into(self.grad_full_P[self.lo : self.hi], self.grad_full_P, self.group, async_op=True)
         if self.grad_shard_S is None:
             self.grad_shard_S = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        return reduce_scatter_flat(self.grad_shard_S, self.grad_full_P, self.group, async_op=True)
+        return reduce_scatter_into(self.grad_shard_S, self.grad_full_P, self.group, async_op=True)
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
@@ -240,18 +228,19 @@ class FlatGroup:
         """Stages 1-2: every rank's updated slice back into everyone's full weights."""
         if self.stage in (1, 2) and self.world > 1:
             # in place: the input is this rank's slice of the output, as NCCL documents
-            return all_gather_flat(self.full_P, self.full_P[self.lo : self.hi], self.group, async_op=True)
+            return all_gather_into(self.full_P, self.full_P[self.lo : self.hi], self.group, async_op=True)
         return None
 
     # ----- metadata -----------------------------------------------------------------------------
     def metadata(self) -> list[ParamSlice]:
         opt_lo, opt_hi = self.opt_range
         out = []
-        for name, shape, off, n in zip(self.names, self.shapes, self.offsets, self.numels):
+        for name, p, shape, off, n in zip(self.names, self.params, self.shapes, self.offsets, self.numels):
             a, b = max(off, opt_lo), min(off + n, opt_hi)
             if a >= b:
                 continue
-            expert_offset, num_global = self.expert_info.get(name, (None, None))
-            global_shape = shape if expert_offset is None else (num_global,) + tuple(shape[1:])
+            mark = expert_shard(p)
+            expert_offset = None if mark is None else mark.offset
+            global_shape = shape if mark is None else (mark.num_experts,) + tuple(shape[1:])
             out.append(ParamSlice(name, shape, global_shape, expert_offset, (a - off, b - off), (a - opt_lo, b - opt_lo)))
         return out

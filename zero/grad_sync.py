@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from moe import is_expert_param
+from routing_kernels.runtime import is_expert_param
 
 from .layout import Layout
 

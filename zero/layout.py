@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from routing_kernels.runtime import all_gather_into
+
 
 def validate_layout(world: int, pp: int = 1, ep: int = 1, num_experts: int | None = None) -> int:
     """Check the sizes before any collective; returns dp. Raises ValueError naming the numbers."""
@@ -138,8 +140,7 @@ def check_same_on_all_ranks(text: str, what: str = "config", group=None) -> None
         mine = mine.cuda()
     n = dist.get_world_size(group)
     everyone = mine.new_empty(n * mine.numel())
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(everyone, mine, group=group)
+    all_gather_into(everyone, mine, group)
     rows = everyone.view(n, -1).cpu()
     differing = [r for r in range(n) if not torch.equal(rows[r], rows[0])]
     if differing:

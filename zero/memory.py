@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.nn as nn
 
-from moe import is_expert_param
+from routing_kernels.runtime import is_expert_param
 
 from .layout import Layout
 

@@ -1,0 +1,129 @@
+"""What both ``moe`` and ``zero`` need from the process they run in, kept in one place below both.
+
+- Collectives where ``group=None`` means one process (a no-op or the identity), so every caller
+  has the single-process path for free; the All-to-All is differentiable, its backward the same
+  exchange with the split sizes swapped.
+- ``in_backward()``: whether autograd is running a backward pass (activation checkpointing re-runs
+  forwards there; statistics and ZeRO's forward hooks must not count those twice).
+- The expert-parameter mark: the experts module tags each of its parameters with the global index
+  of its first expert and the number of experts in the model (dimension 0 runs over the experts
+  this process holds). ZeRO shards, reduces and names parameters by this mark, never by module type.
+"""
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+# --- collectives ---------------------------------------------------------------------------------
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """Every rank's ``inp`` concatenated into ``out`` (``all_gather_single`` where this torch has it,
+    the older ``all_gather_into_tensor`` otherwise)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """The sum over ranks of ``inp``, this rank's 1/W slice into ``out``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def gather_rows(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    """Every rank's rows in rank order (counts may differ), and where this rank's rows start. Not
+    differentiable: used for routing decisions over a whole batch, not for values."""
+    if group_size(group) == 1:
+        return t, 0
+    n, me = group_size(group), group_rank(group)
+    sizes = torch.zeros(n, dtype=torch.long, device=t.device)
+    sizes[me] = t.shape[0]
+    dist.all_reduce(sizes, group=group)
+    sizes_l = sizes.tolist()
+    pad = max(sizes_l)
+    buf = t.new_zeros((pad,) + tuple(t.shape[1:]))
+    buf[: t.shape[0]] = t
+    out = t.new_empty((n * pad,) + tuple(t.shape[1:]))
+    all_gather_into(out, buf, group)
+    parts = [out[i * pad : i * pad + s] for i, s in enumerate(sizes_l)]
+    return torch.cat(parts), sum(sizes_l[:me])
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.group = group
+        ctx.output_splits = output_splits
+        ctx.input_splits = input_splits
+        x = x.contiguous()
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((sum(ctx.input_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad, ctx.input_splits, ctx.output_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows ``x[sum(input_splits[:r]) : ...]`` go to rank r; returns the rows received, by source rank."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+
+
+# --- autograd ------------------------------------------------------------------------------------
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation checkpointing's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# --- the expert-parameter mark -------------------------------------------------------------------
+
+class ExpertShard(NamedTuple):
+    """What a process holds of an expert parameter: experts ``[offset, offset + shape[0])`` of
+    ``num_experts``."""
+
+    offset: int
+    num_experts: int
+
+
+_MARK = "expert_shard"
+
+
+def mark_expert_params(params: Iterable[torch.Tensor], offset: int, num_experts: int) -> None:
+    """Tag expert parameters (dimension 0 runs over this process's experts) with their place in the
+    model; the tag survives ``p.data`` swaps (ZeRO's flat buffers) since it lives on the Parameter."""
+    for p in params:
+        if not (0 <= offset and offset + p.shape[0] <= num_experts):
+            raise ValueError(f"experts [{offset}, {offset + p.shape[0]}) do not lie within the model's {num_experts}")
+        setattr(p, _MARK, ExpertShard(int(offset), int(num_experts)))
+
+
+def expert_shard(p: torch.Tensor) -> ExpertShard | None:
+    """The mark ``mark_expert_params`` set, or None for a dense parameter."""
+    return getattr(p, _MARK, None)
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return expert_shard(p) is not None
