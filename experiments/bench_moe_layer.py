@@ -149,10 +149,10 @@ def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps
 
     Forward: ``router`` (scores, top-k, weights), ``metadata`` (counts, destination rows, the one
     ``tolist``), then the three steps as separate ops, as CUDA and expert parallelism run them
-    (``permute``, ``experts``, ``unpermute``), and ``fused_fwd``, the one-pass version the CPU
-    layer runs instead. ``forward`` and ``backward`` are the whole layer's; ``fused_bwd`` is the
-    backward of the fused step alone (routed experts, their gather and weighted scatter), so
-    ``backward - fused_bwd`` is the router, losses and the rest.
+    (``permute``, ``experts``, ``unpermute``), and ``tokens_fwd``, the experts in tokens mode (the
+    one pass the CPU layer runs instead). ``forward`` and ``backward`` are the whole layer's;
+    ``tokens_bwd`` is the backward of tokens mode alone (routed experts, their gather and weighted
+    scatter), so ``backward - tokens_bwd`` is the router, losses and the rest.
     """
     experts = layer.experts
     ph = {}
@@ -169,18 +169,18 @@ def phase_times(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor, reps
         ph["experts"] = _median_time(lambda: experts(x_SD, counts), reps)
         y_SD = experts(x_SD, counts)
         ph["unpermute"] = _median_time(lambda: rk.unpermute_combine(y_SD, dest_TK, w_TK), reps)
-        ph["fused_fwd"] = _median_time(lambda: experts.forward_tokens(x_TD, dest_TK, w_TK, counts), reps)
+        ph["tokens_fwd"] = _median_time(lambda: experts(x_TD, counts, dest_TK=dest_TK, weights_TK=w_TK), reps)
 
     w_req = w_TK.detach().requires_grad_(True)
 
-    def fused_fwd_bwd():
-        out = experts.forward_tokens(x_TD, dest_TK, w_req, counts)
+    def tokens_fwd_bwd():
+        out = experts(x_TD, counts, dest_TK=dest_TK, weights_TK=w_req)
         t0 = _clock()
         torch.autograd.grad(out, [x_TD, w_req, *experts.parameters()], grad_TD)
         return _clock() - t0
 
-    fused_fwd_bwd()
-    ph["fused_bwd"] = statistics.median(fused_fwd_bwd() for _ in range(reps))
+    tokens_fwd_bwd()
+    ph["tokens_bwd"] = statistics.median(tokens_fwd_bwd() for _ in range(reps))
 
     def layer_fwd_bwd():
         for p in layer.parameters():
@@ -217,7 +217,7 @@ def keep_freed_memory() -> None:
 
 def _grouped_mm_probe(T, D, F, E, K, dtype, reps):
     """The routed experts alone (SwiGLU, forward + backward) as ``torch._grouped_mm`` and as the
-    per-expert loop (``GroupedExperts.grouped_mm`` True/False) on the same rows: the largest
+    per-expert loop (expert backends ``grouped_mm`` and ``loop``) on the same rows: the largest
     difference relative to each tensor's largest entry, and both times."""
     if not hasattr(torch, "_grouped_mm"):
         return "torch has no _grouped_mm"
@@ -231,9 +231,9 @@ def _grouped_mm_probe(T, D, F, E, K, dtype, reps):
     params = list(experts.parameters())
 
     def run(grouped: bool):
-        experts.grouped_mm = grouped
-        y = experts(x, counts)
-        return y, torch.autograd.grad(y, [x, *params], g)
+        with rk.use_expert_backend("grouped_mm" if grouped else "loop"):
+            y = experts(x, counts)
+            return y, torch.autograd.grad(y, [x, *params], g)
 
     try:
         ya, ga = run(False)

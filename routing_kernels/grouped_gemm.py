@@ -17,10 +17,12 @@ def available() -> bool:
 
 
 def accepts(x_SD: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``_grouped_mm`` takes these operands: 16-byte aligned (a ZeRO flat buffer can hand out
-    an odd offset), contiguous rows, at least one row."""
+    """Whether ``_grouped_mm`` takes these operands: at least one row, contiguous rows, every
+    operand's start and row strides 16-byte aligned (a ZeRO flat buffer can hand out an odd offset;
+    a hidden size F of 10 fp32 values is a 40-byte stride)."""
     return (available() and x_SD.shape[0] > 0 and x_SD.is_contiguous()
-            and all(t.data_ptr() % 16 == 0 for t in (x_SD, *weights)))
+            and all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+                    for t in (x_SD, *weights)))
 
 
 def preferred(x_SD: torch.Tensor, w1_XDF: torch.Tensor) -> bool:

@@ -88,8 +88,8 @@ def _run(layer, x, grad):
     dict(num_experts=8, top_k=2, num_shared_experts=1, score_func="sigmoid", capacity_factor=0.5, drop_policy="position"),
 ])
 def test_moe_layer_on_gpu_matches_cpu(kw):
-    # the GPU runs routing_metadata/permute/unpermute_combine (Triton) around the grouped experts;
-    # the CPU runs its fused block loop: two different paths to the same numbers
+    # the GPU runs routing_metadata/permute/unpermute_combine (Triton) around the expert loop (fp32);
+    # the CPU runs its one-pass block loop: two different paths to the same numbers
     torch.manual_seed(0)
     cfg = MoEConfig(d_model=256, d_ff=384, **kw)
     cpu = MoELayer(cfg)
@@ -108,23 +108,24 @@ def test_moe_layer_on_gpu_matches_cpu(kw):
         assert (a is None and b is None) or abs(a - b) <= 1e-5 * max(1.0, abs(b)), field
 
 
-@pytest.mark.parametrize("grouped_mm", [None, False])  # None: the default (torch._grouped_mm on sm_90)
+@pytest.mark.parametrize("backend", ["auto", "loop"])  # auto: torch._grouped_mm on sm_90
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_grouped_experts_bf16_on_gpu_against_fp64(activation, grouped_mm):
+def test_grouped_experts_bf16_on_gpu_against_fp64(activation, backend):
     torch.manual_seed(0)
     E, D, F = 6, 128, 320
     counts = [500, 0, 1, 777, 64, 1300]  # an empty expert, a one-row expert, ragged segment ends
     experts = GroupedExperts(E, D, F, activation)
     ref = copy.deepcopy(experts).double()
     gpu = copy.deepcopy(experts).cuda().bfloat16()
-    gpu.grouped_mm = grouped_mm
     x = torch.randn(sum(counts), D)
     g = torch.randn(sum(counts), D)
     xg = x.cuda().bfloat16().requires_grad_(True)
-    if grouped_mm is None:
-        assert gpu.use_grouped_mm(xg) == (torch.cuda.get_device_capability()[0] == 9)
-    yg = gpu(xg, counts)
-    grads_g = torch.autograd.grad(yg, [xg, *gpu.parameters()], g.cuda().bfloat16())
+    with rk.use_expert_backend(backend):
+        if backend == "auto":
+            expected = "grouped_mm" if torch.cuda.get_device_capability()[0] == 9 else "loop"
+            assert rk.expert_backend(xg, gpu.w1, gpu.w3, gpu.w2) == expected
+        yg = gpu(xg, counts)
+        grads_g = torch.autograd.grad(yg, [xg, *gpu.parameters()], g.cuda().bfloat16())
     # the reference sees the same bf16-rounded inputs and weights, in fp64
     for p, q in zip(ref.parameters(), gpu.parameters()):
         p.data.copy_(q.detach().double().cpu())
@@ -145,10 +146,11 @@ def test_moe_layer_bf16_grouped_mm_matches_loop_on_gpu():
     layer = MoELayer(MoEConfig(d_model=256, d_ff=384, num_experts=16, top_k=4)).cuda().bfloat16()
     x = torch.randn(1000, 256, device="cuda").bfloat16()
     grad = torch.randn(1000, 256, device="cuda").bfloat16()
-    layer.experts.grouped_mm = True
-    out_a, gx_a, grads_a = _run(layer, x, grad)
-    layer.experts.grouped_mm = False
-    out_b, gx_b, grads_b = _run(layer, x, grad)
+    with rk.use_expert_backend("grouped_mm"):
+        assert rk.expert_backend(x, layer.experts.w1, layer.experts.w3, layer.experts.w2) == "grouped_mm"
+        out_a, gx_a, grads_a = _run(layer, x, grad)
+    with rk.use_expert_backend("loop"):
+        out_b, gx_b, grads_b = _run(layer, x, grad)
     torch.testing.assert_close(out_a.float(), out_b.float(), **BF16)
     torch.testing.assert_close(gx_a.float(), gx_b.float(), **BF16)
     for n in grads_a:

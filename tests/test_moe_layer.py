@@ -1,6 +1,11 @@
 """MoELayer against the naive per-token loop of tests/naive.py: outputs and every gradient.
 
-Legend: T tokens, K slots, D model dim, F expert hidden dim, E experts.
+Shapes follow the project's legend (docs/design.md).
+
+The layer runs each expert backend of ``routing_kernels.expert_ffn`` that this machine has:
+``cpu_blocks`` (the CPU default: permute, experts and combine as one pass in parallel lanes),
+``loop`` (routing_kernels' separate permute and combine around the per-expert reference loop) and
+``grouped_mm`` (``torch._grouped_mm``, the GPU's bf16 path, which torch also runs on the CPU).
 
 The reference runs in fp64 on copies of the layer's parameters and follows the layer's own routing
 decision (which experts), recomputing the combine weights token by token from the router weight,
@@ -18,6 +23,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import moe
+import routing_kernels as rk
+import routing_kernels.cpu_experts as cpu_experts
 from moe import MoEConfig, MoELayer
 from tests.naive import (
     naive_capacity_keep,
@@ -146,51 +153,47 @@ def test_matches_naive_bf16(name):
     check_against_naive(layer, torch.randn(shape).bfloat16(), torch.bfloat16, name)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("backend", ["cpu_blocks", "loop"])
 @pytest.mark.parametrize("name", ["odd", "gelu_shared", "capacity_probs"])
-def test_matches_naive_in_small_blocks(name, fused, monkeypatch):
+def test_matches_naive_in_small_blocks(name, backend, monkeypatch):
     # the experts and the combine work block by block (rows of one expert, tokens); tiny blocks make
     # segments span several blocks, ragged last ones included, with weight gradients accumulated
-    import moe.experts
     import routing_kernels.reference
 
-    monkeypatch.setattr(moe.experts, "_ROW_BLOCK", 3)
-    monkeypatch.setattr(moe.experts, "_COMBINE_BLOCK_T", 4)
+    monkeypatch.setattr(cpu_experts, "_ROW_BLOCK", 3)
+    monkeypatch.setattr(cpu_experts, "_COMBINE_BLOCK_T", 4)
     monkeypatch.setattr(routing_kernels.reference, "_COMBINE_BLOCK_T", 4)
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
-    layer.dispatcher = moe.LocalDispatcher(fused=fused)
     torch.manual_seed(1)
-    check_against_naive(layer, torch.randn(shape), torch.float32, name)
+    with rk.use_expert_backend(backend):
+        check_against_naive(layer, torch.randn(shape), torch.float32, name)
 
 
 @pytest.fixture
 def lanes(monkeypatch):
     """Two intra-op threads, and lanes for any size: the CPU path then runs its expert blocks in two
-    parallel lanes (moe.experts._lane_count), whatever the routing. Yields the lane counts used."""
-    import moe.experts
-
-    monkeypatch.setattr(moe.experts, "_LANE_MIN_MACS", 0)
+    parallel lanes (routing_kernels.cpu_experts._lane_count), whatever the routing. Yields the lane
+    counts used."""
+    monkeypatch.setattr(cpu_experts, "_LANE_MIN_MACS", 0)
     used = []
-    real = moe.experts._lane_count
+    real = cpu_experts._lane_count
 
     def spy(*args):
         used.append(real(*args))
         return used[-1]
 
-    monkeypatch.setattr(moe.experts, "_lane_count", spy)
+    monkeypatch.setattr(cpu_experts, "_lane_count", spy)
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     yield used
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("name", ["odd", "k_eq_E", "3d_input", "gelu_shared", "capacity_probs", "expert_choice", "fewer_tokens_than_experts"])
-def test_lanes_match_naive(name, fused, lanes):
+def test_lanes_match_naive(name, lanes):
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
-    layer.dispatcher = moe.LocalDispatcher(fused=fused)
     torch.manual_seed(1)
     check_against_naive(layer, torch.randn(shape), torch.float32, name)
     assert lanes and all(n == 2 for n in lanes), f"ran in lanes {lanes}"
@@ -202,9 +205,7 @@ def _skewed_schedule(monkeypatch, slow_thread: str, taken: dict):
     import threading
     import time
 
-    import moe.experts
-
-    real = moe.experts._BlockQueue.take
+    real = cpu_experts._BlockQueue.take
 
     def take(queue):
         name = threading.current_thread().name
@@ -215,16 +216,14 @@ def _skewed_schedule(monkeypatch, slow_thread: str, taken: dict):
             taken.setdefault(name, []).append(unit)
         return unit
 
-    monkeypatch.setattr(moe.experts._BlockQueue, "take", take)
+    monkeypatch.setattr(cpu_experts._BlockQueue, "take", take)
 
 
 @pytest.mark.parametrize("name", ["odd", "gelu_shared", "capacity_position", "expert_choice"])
 def test_lanes_same_bits_whatever_the_schedule(name, lanes, monkeypatch):
     # blocks of 3 rows: every expert's rows span many blocks, taken by either lane in any order, so
     # weight gradients wait for their turn; which lane runs which block must not change one bit
-    import moe.experts
-
-    monkeypatch.setattr(moe.experts, "_ROW_BLOCK", 3)
+    monkeypatch.setattr(cpu_experts, "_ROW_BLOCK", 3)
     shape, kw = CASES[name]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     x, grad = torch.randn(shape), torch.randn(shape)
@@ -245,14 +244,12 @@ def test_lanes_same_bits_whatever_the_schedule(name, lanes, monkeypatch):
 def test_lane_errors_surface_and_the_next_call_works(lanes, monkeypatch):
     import threading
 
-    import moe.experts
-
-    monkeypatch.setattr(moe.experts, "_ROW_BLOCK", 3)
+    monkeypatch.setattr(cpu_experts, "_ROW_BLOCK", 3)
     shape, kw = CASES["odd"]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     x, grad = torch.randn(shape), torch.randn(shape)
     expected = run_layer(layer, x, grad)
-    real = moe.experts._silu_out
+    real = cpu_experts._silu_out
     # in every lane; then in one lane only, while the other may be waiting for that lane's block
     for failing in ("moe-lane", "moe-lane_1"):
         def silu(*a, failing=failing, **k):
@@ -260,10 +257,10 @@ def test_lane_errors_surface_and_the_next_call_works(lanes, monkeypatch):
                 raise RuntimeError("lane failure")
             return real(*a, **k)
 
-        monkeypatch.setattr(moe.experts, "_silu_out", silu)
+        monkeypatch.setattr(cpu_experts, "_silu_out", silu)
         with pytest.raises(RuntimeError, match="lane failure"):
             run_layer(layer, x, grad)
-    monkeypatch.setattr(moe.experts, "_silu_out", real)
+    monkeypatch.setattr(cpu_experts, "_silu_out", real)
     again = run_layer(layer, x, grad)
     assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
 
@@ -271,9 +268,7 @@ def test_lane_errors_surface_and_the_next_call_works(lanes, monkeypatch):
 def test_block_queue_order_turns_and_failure(monkeypatch):
     import threading
 
-    import moe.experts
-
-    q = moe.experts._BlockQueue([5, 0, 2, 9], block=4)
+    q = cpu_experts._BlockQueue([5, 0, 2, 9], block=4)
     units = []
     while (u := q.take()) is not None:
         units.append(u)
@@ -282,23 +277,23 @@ def test_block_queue_order_turns_and_failure(monkeypatch):
     assert units == [(3, 7, 10, 0), (0, 0, 2, 0), (2, 5, 7, 0), (0, 2, 5, 1), (3, 10, 13, 1), (3, 13, 16, 2)]
     # in lanes, the last blocks are halved (their halves `lanes` apart, renumbered in row order),
     # unless another tail block is of the same expert (expert 3 above)
-    assert moe.experts._BlockQueue([5, 0, 2, 9], block=4, lanes=2).units == units
-    assert moe.experts._BlockQueue([8, 8, 8], block=4, lanes=2).units == [
+    assert cpu_experts._BlockQueue([5, 0, 2, 9], block=4, lanes=2).units == units
+    assert cpu_experts._BlockQueue([8, 8, 8], block=4, lanes=2).units == [
         (0, 0, 4, 0), (1, 8, 12, 0), (2, 16, 20, 0), (0, 4, 8, 1), (1, 12, 14, 1), (2, 20, 22, 1), (1, 14, 16, 2), (2, 22, 24, 2)]
     q.wait_turn(3, 0)  # block 0 never waits
-    monkeypatch.setattr(moe.experts, "_LANE_WAIT_S", 0.05)
+    monkeypatch.setattr(cpu_experts, "_LANE_WAIT_S", 0.05)
     with pytest.raises(TimeoutError, match="block 0 of expert 3"):
         q.wait_turn(3, 1)
     q.end_turn(3)
     q.wait_turn(3, 1)
     # a failing lane wakes a waiting one, which stops instead of waiting out the timeout
-    monkeypatch.setattr(moe.experts, "_LANE_WAIT_S", 60.0)
+    monkeypatch.setattr(cpu_experts, "_LANE_WAIT_S", 60.0)
     errors = []
 
     def waiter():
         try:
             q.wait_turn(0, 1)
-        except moe.experts._LaneFailed as err:
+        except cpu_experts._LaneFailed as err:
             errors.append(err)
 
     t = threading.Thread(target=waiter)
@@ -315,14 +310,12 @@ def test_block_queue_covers_rows_in_turn_order():
     # makes the turns deadlock-free)
     import random
 
-    import moe.experts
-
     rng = random.Random(0)
     for _ in range(300):
         counts = [rng.choice([0, 1, 2, 5, 9, 40]) for _ in range(rng.randint(1, 7))]
-        q = moe.experts._BlockQueue(counts, block=rng.randint(1, 12), lanes=rng.randint(1, 4))
+        q = cpu_experts._BlockQueue(counts, block=rng.randint(1, 12), lanes=rng.randint(1, 4))
         position = {(e, i): j for j, (e, _, _, i) in enumerate(q.units)}
-        for e, (n, start) in enumerate(zip(counts, moe.experts._starts(counts))):
+        for e, (n, start) in enumerate(zip(counts, cpu_experts._starts(counts))):
             mine = sorted((i, a, b) for u, a, b, i in q.units if u == e)
             if n == 0:
                 assert not mine
@@ -334,60 +327,60 @@ def test_block_queue_covers_rows_in_turn_order():
 
 
 def test_lane_count_falls_back():
-    import moe.experts
-
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         x = torch.empty(1, 512)
-        assert moe.experts._lane_count([2100, 1900, 2000, 2050], x, 1024) == 2
-        assert moe.experts._lane_count([9000, 100, 100, 100], x, 1024) == 2  # a hot expert's blocks spread too
-        assert moe.experts._lane_count([3, 2, 1, 0], x, 1024) == 1  # too little work to hand off
-        assert moe.experts._lane_count([0, 0], x, 1024) == 1
+        assert cpu_experts._lane_count([2100, 1900, 2000, 2050], x, 1024) == 2
+        assert cpu_experts._lane_count([9000, 100, 100, 100], x, 1024) == 2  # a hot expert's blocks spread too
+        assert cpu_experts._lane_count([3, 2, 1, 0], x, 1024) == 1  # too little work to hand off
+        assert cpu_experts._lane_count([0, 0], x, 1024) == 1
         # small matmuls (512 rows x 64 x 256 per expert): the lanes' Python would contend for the GIL
-        assert moe.experts._lane_count([512] * 8, torch.empty(1, 64), 256) == 1
+        assert cpu_experts._lane_count([512] * 8, torch.empty(1, 64), 256) == 1
         torch.set_num_threads(1)
-        assert moe.experts._lane_count([2100, 1900], x, 1024) == 1
+        assert cpu_experts._lane_count([2100, 1900], x, 1024) == 1
     finally:
         torch.set_num_threads(n)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
 @pytest.mark.parametrize("name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position"])
-def test_grouped_mm_path_matches_naive(name):
+def test_grouped_mm_path_matches_naive(name, monkeypatch):
     # the GPU's bf16 path (one torch._grouped_mm per weight), forced on here where torch runs it on the
     # CPU: same routing, same numbers, empty experts included (fewer tokens than experts)
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
-    layer.dispatcher = moe.LocalDispatcher(fused=False)
-    layer.experts.grouped_mm = True
-    x = torch.randn(shape)
-    assert layer.experts.use_grouped_mm(x.reshape(-1, shape[-1]))
+    import routing_kernels.dispatch as dispatch
+
+    ran, real = [], dispatch._EXPERT_IMPLS["grouped_mm"]
+    monkeypatch.setitem(dispatch._EXPERT_IMPLS, "grouped_mm", lambda *a: ran.append(1) or real(*a))
     torch.manual_seed(1)
-    check_against_naive(layer, torch.randn(shape), torch.float32, name)
+    with rk.use_expert_backend("grouped_mm"):
+        check_against_naive(layer, torch.randn(shape), torch.float32, name)
+    assert ran, "the grouped_mm backend did not run"
 
 
 @pytest.mark.parametrize("name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position", "expert_choice"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unfused_dispatch_matches_naive(name, dtype):
-    # on the CPU the layer fuses permute/experts/combine; the separate ops (routing_kernels
-    # permute and unpermute_combine around GroupedExperts) are what CUDA and expert parallelism use
+def test_loop_backend_matches_naive(name, dtype):
+    # on the CPU the layer fuses permute/experts/combine; the separate ops (routing_kernels permute
+    # and unpermute_combine around the per-expert loop) are what a GPU without grouped GEMM runs
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw), dtype=dtype)
-    layer.dispatcher = moe.LocalDispatcher(fused=False)
     torch.manual_seed(1)
-    check_against_naive(layer, torch.randn(shape).to(dtype), dtype, name)
+    with rk.use_expert_backend("loop"):
+        check_against_naive(layer, torch.randn(shape).to(dtype), dtype, name)
 
 
-def test_fused_and_unfused_agree():
+def test_cpu_blocks_and_loop_agree():
     cfg = no_aux(d_model=24, d_ff=40, num_experts=7, top_k=3, capacity_factor=0.8)
-    fused = make(cfg)
-    fused.dispatcher = moe.LocalDispatcher(fused=True)
-    unfused = copy.deepcopy(fused)
-    unfused.dispatcher = moe.LocalDispatcher(fused=False)
+    layer = make(cfg)
     torch.manual_seed(13)
     x, g = torch.randn(50, 24), torch.randn(50, 24)
-    a, b = run_layer(fused, x, g), run_layer(unfused, x, g)
+    with rk.use_expert_backend("cpu_blocks"):
+        a = run_layer(layer, x, g)
+    with rk.use_expert_backend("loop"):
+        b = run_layer(layer, x, g)
     # same products, summed in another order (per block vs per token): fp32 rounding only
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6)
@@ -396,7 +389,7 @@ def test_fused_and_unfused_agree():
 
 
 def test_pooled_buffers_stay_with_a_live_graph():
-    # the fused path keeps the buffers of saved activations from step to step; a second forward
+    # the CPU path keeps the buffers of saved activations from step to step; a second forward
     # while the first graph is alive (pipeline micro-batches, retain_graph) must not reuse them
     layer = make(no_aux(d_model=16, d_ff=24, num_experts=3, top_k=2))
     params = list(layer.parameters())
@@ -722,9 +715,7 @@ def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
     # the process's setting (torch.set_num_threads in a thread also sets their default)
     import threading
 
-    import moe.experts
-
-    monkeypatch.setattr(moe.experts, "_lane_pool", None)  # a fresh pool: its start-up is under test
+    monkeypatch.setattr(cpu_experts, "_lane_pool", None)  # a fresh pool: its start-up is under test
     shape, kw = CASES["odd"]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     layer(torch.randn(shape)).sum().backward()
@@ -739,27 +730,25 @@ def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
     t.start()
     t.join()
     assert seen["threads"] == torch.get_num_threads() == 2
-    lane_threads = moe.experts._lane_pool[3].submit(torch.get_num_threads).result()
+    lane_threads = cpu_experts._lane_pool[3].submit(torch.get_num_threads).result()
     assert lane_threads == 1
 
 
 def test_lanes_share_many_threads(lanes, monkeypatch):
     # 4 intra-op threads and at most 2 lanes: each lane runs 2 threads, so none sits idle, and the
     # results still match the reference; the caller keeps its 4
-    import moe.experts
-
-    monkeypatch.setattr(moe.experts, "_MAX_LANES", 2)
+    monkeypatch.setattr(cpu_experts, "_MAX_LANES", 2)
     torch.set_num_threads(4)
     shape, kw = CASES["odd"]
     layer = make(no_aux(d_model=shape[-1], **kw))
     torch.manual_seed(1)
     check_against_naive(layer, torch.randn(shape), torch.float32, "odd")
     assert lanes and all(n == 2 for n in lanes)
-    assert moe.experts._lane_pool[2] == 2
-    assert sorted(f.result() for f in [moe.experts._lane_pool[3].submit(torch.get_num_threads) for _ in range(4)]) == [2] * 4
+    assert cpu_experts._lane_pool[2] == 2
+    assert sorted(f.result() for f in [cpu_experts._lane_pool[3].submit(torch.get_num_threads) for _ in range(4)]) == [2] * 4
     assert torch.get_num_threads() == 4
-    assert moe.experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == 2
-    monkeypatch.setattr(moe.experts, "_MAX_LANES", 8)
+    assert cpu_experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == 2
+    monkeypatch.setattr(cpu_experts, "_MAX_LANES", 8)
     for threads, expected in ((16, 8), (12, 6), (9, 3), (7, 7)):
         torch.set_num_threads(threads)
-        assert moe.experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == expected, threads
+        assert cpu_experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == expected, threads
