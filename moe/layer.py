@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
 from routing_kernels.runtime import all_reduce_sum, group_size, in_backward, is_expert_param
 
@@ -101,7 +102,7 @@ class MoELayer(nn.Module):
         if x.shape[-1] != cfg.d_model:
             raise ValueError(f"MoELayer expects last dimension d_model={cfg.d_model}, got input of shape {tuple(x.shape)}")
         shape = x.shape
-        x_TD = x.reshape(-1, cfg.d_model)
+        x_TD = rearrange(x, "... d -> (...) d")  # every leading dim is tokens
         T = x_TD.shape[0]
         # capacity and expert choice decide over the whole data-parallel batch, so the kept set is
         # the single-process one on every layout

@@ -1,11 +1,12 @@
 """The reference decoder-only transformer: pre-norm blocks of causal attention and an FFN that is an
 ``MoELayer`` in every ``moe_every``-th block and a dense SwiGLU elsewhere.
 
-Legend: B batch, L sequence length, D model dim, H heads, Dh head dim, V vocabulary, F FFN hidden.
+Shapes follow the project's legend (docs/design.md): B batch, L sequence length, D model dim,
+H heads, J head dim (D / H), V vocabulary, F FFN hidden dim.
 
 RMSNorm, rotary positions (half-split, as GPT-NeoX / Llama), attention through
-``F.scaled_dot_product_attention`` with ``is_causal=True``, no biases anywhere. Process groups are
-arguments (ARCHITECTURE.md contract 3): pass ``ep_group``/``dp_group`` or any object carrying them
+``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal=True``, no biases anywhere. Process groups are
+arguments: pass ``ep_group``/``dp_group`` or any object carrying them
 (a ``zero.Layout``); ``None`` is one process.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.nn.functional as nnf
+from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from .config import MoEConfig
@@ -90,16 +92,17 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None):
+    """cos and sin of each position's rotation angles, each ``[L, J/2]``."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles_LF = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles_LF.cos(), angles_LF.sin()  # each [L, Dh/2]
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
 
 
-def apply_rotary(x_BHLD, cos_LF, sin_LF):
-    # half-split rotation: pairs (x[i], x[i + Dh/2]) rotate by angle i
-    x1, x2 = x_BHLD.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos_LF - x2 * sin_LF, x1 * sin_LF + x2 * cos_LF], dim=-1)
-    return out.to(x_BHLD.dtype)
+def apply_rotary(x_BHLJ, cos, sin):
+    # half-split rotation: pairs (x[i], x[i + J/2]) rotate by angle i; cos, sin are [L, J/2]
+    x1, x2 = x_BHLJ.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x_BHLJ.dtype)
 
 
 class Attention(nn.Module):
@@ -109,13 +112,11 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x_BLD, cos_LF, sin_LF):
-        B, L, D = x_BLD.shape
-        H = self.n_heads
-        q, k, v = self.qkv(x_BLD).view(B, L, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each [B, H, L, Dh]
-        q, k = apply_rotary(q, cos_LF, sin_LF), apply_rotary(k, cos_LF, sin_LF)
-        y_BHLD = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y_BHLD.transpose(1, 2).reshape(B, L, D))
+    def forward(self, x_BLD, cos, sin):
+        q_BHLJ, k_BHLJ, v_BHLJ = rearrange(self.qkv(x_BLD), "b l (three h j) -> three b h l j", three=3, h=self.n_heads)
+        q_BHLJ, k_BHLJ = apply_rotary(q_BHLJ, cos, sin), apply_rotary(k_BHLJ, cos, sin)
+        y_BHLJ = nnf.scaled_dot_product_attention(q_BHLJ, k_BHLJ, v_BHLJ, is_causal=True)
+        return self.proj(rearrange(y_BHLJ, "b h l j -> b l (h j)"))
 
 
 class Block(nn.Module):
@@ -126,14 +127,14 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = MoELayer(cfg.moe, ep_group=ep_group, dp_group=dp_group) if is_moe else DenseFFN(cfg.d_model, cfg.d_ff, "swiglu")
 
-    def forward(self, x_BLD, cos_LF, sin_LF):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), cos_LF, sin_LF)
+    def forward(self, x_BLD, cos, sin):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), cos, sin)
         return x_BLD + self.ffn(self.ffn_norm(x_BLD))
 
 
 class Transformer(nn.Module):
     """``forward(idx_BL) -> logits_BLV``. Auxiliary MoE losses need no handling by the caller: they
-    reach the backward pass through each ``MoELayer`` (ARCHITECTURE.md contract 1)."""
+    reach the backward pass through each ``MoELayer``."""
 
     def __init__(self, cfg: TransformerConfig, *, ep_group=None, dp_group=None, layout=None):
         super().__init__()
@@ -149,10 +150,10 @@ class Transformer(nn.Module):
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos_LF, sin_LF = rotary_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
         # not persistent: derived from the config, so checkpoints do not carry them
-        self.register_buffer("rope_cos", cos_LF, persistent=False)
-        self.register_buffer("rope_sin", sin_LF, persistent=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def _init_weights(self):
         # embeddings and attention at std 0.02 (GPT-2); residual output projections scaled by
@@ -170,13 +171,13 @@ class Transformer(nn.Module):
         B, L = idx_BL.shape
         if L > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {L} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos_LF, sin_LF = self.rope_cos[:L], self.rope_sin[:L]
+        cos, sin = self.rope_cos[:L], self.rope_sin[:L]
         x_BLD = self.embed(idx_BL)
         for block in self.blocks:
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x_BLD = checkpoint(block, x_BLD, cos_LF, sin_LF, use_reentrant=False)
+                x_BLD = checkpoint(block, x_BLD, cos, sin, use_reentrant=False)
             else:
-                x_BLD = block(x_BLD, cos_LF, sin_LF)
+                x_BLD = block(x_BLD, cos, sin)
         return self.lm_head(self.norm(x_BLD))
 
     def moe_layers(self) -> list[MoELayer]:
