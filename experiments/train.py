@@ -30,12 +30,10 @@ from tqdm.auto import tqdm
 import moe
 import routing_kernels
 import zero
+from experiments import schema  # the config schema (Hydra's ConfigStore) and the ${div:} resolver
 from experiments.data import LMData, build_data
 from experiments.tracking import MetricsFile, hydra_job_info, make_tracker
 from moe.model import Transformer, TransformerConfig
-
-# integer division in configs, e.g. fine-grained experts: d_ff: ${div:${model.d_ff},4}
-OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
 
 def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
@@ -73,10 +71,11 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout) -
 def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transformer:
     """The transformer of ``cfg.model`` (+ ``cfg.moe`` when any block is MoE); configs validate
     themselves, so a bad value stops here with a message naming the key."""
-    mcfg = OmegaConf.to_container(cfg.model, resolve=True)
+    # plain dicts of the resolved values; a key still ??? fails here naming it (MissingMandatoryValue)
+    mcfg = OmegaConf.to_container(cfg.model, resolve=True, throw_on_missing=True)
     moe_cfg = None
     if mcfg.get("moe_every", 1):
-        moe_cfg = moe.MoEConfig.from_dict(OmegaConf.to_container(cfg.moe, resolve=True))
+        moe_cfg = moe.MoEConfig.from_dict(OmegaConf.to_container(cfg.moe, resolve=True, throw_on_missing=True))
         if moe_cfg.router == "expert_choice":
             print("warning: moe.router=expert_choice picks tokens across the whole batch, so a causal LM sees the future through it; its validation loss is optimistic", file=sys.stderr)
     return Transformer(TransformerConfig.from_dict(mcfg, moe=moe_cfg), layout=layout)
@@ -154,6 +153,7 @@ def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Lay
 
 
 def _check_train_cfg(cfg: DictConfig, layout: zero.Layout) -> None:
+    schema.check_keys(cfg)  # a key added with +key=value that no schema has
     t = cfg.train
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:

@@ -1,0 +1,216 @@
+"""The trainer's config schema: typed dataclasses registered in Hydra's ConfigStore.
+
+``conf/train.yaml`` and every group file under ``conf/`` start from a schema registered here
+(Hydra 1.3's "Structured Configs" pattern) and hold only what differs from its defaults::
+
+    # conf/moe/switch.yaml
+    defaults:
+      - base_moe          # moe.MoEConfig: every key, its type and its default
+      - _self_
+    top_k: 1
+
+Registered names: ``base_train`` (the root: ``seed``, ``device``, ``precision``, ``train.*`` and
+one typed field per group) and, in each group, ``base_model``, ``base_moe``, ``base_parallel``,
+``base_optim``, ``base_data``, ``base_logger``. The schema types every node, so at compose time a
+mistyped key (``moe.topk=2``, a typo in a yaml) or a wrong type (``train.steps=abc``,
+``moe.top_k=two``) stops Hydra with an error naming the key. Ranges and cross-field rules are not
+the schema's business: ``moe.MoEConfig`` and ``moe.model.TransformerConfig`` check them in
+``__post_init__`` when ``experiments.train.build_model`` builds them, and the trainer's own keys are
+checked by ``experiments.train``/``experiments.data``/``experiments.tracking`` as before.
+
+Why the moe dataclasses serve as schema as they are (and what is derived):
+
+- ``moe.MoEConfig`` is the moe group's schema itself. OmegaConf reads a dataclass *type* from
+  ``dataclasses.fields()`` without instantiating it, so ``__post_init__`` never sees ``???`` or a
+  ``${...}`` interpolation; it resolves the postponed string annotations of ``moe/config.py``
+  (``from __future__ import annotations``) with ``typing.get_type_hints``, and OmegaConf 2.3 takes
+  ``int | None`` as ``Optional[int]``. The required fields without default (``d_model``,
+  ``d_ff``) become mandatory (``???``): each moe yaml wires them to the model with interpolations.
+- The model group's schema, ``ModelConfig``, is generated from
+  ``dataclasses.fields(TransformerConfig)`` and ``typing.get_type_hints(TransformerConfig)``,
+  leaving out the ``moe`` field: in the trainer the MoE layer is a group of its own (``moe=``), and
+  ``TransformerConfig(moe=MoEConfig | None)`` is a nested config OmegaConf would type as a second
+  place to set every moe key. Generating it (rather than copying the fields) keeps
+  ``moe.model.TransformerConfig`` the one source of names, types and defaults; the generated class
+  has no ``__post_init__``, validation stays where it is.
+- ``+key=value`` is Hydra's explicit "add a key the config does not have": it opens struct mode, so
+  no schema can refuse it at compose time. ``check_keys`` (called by
+  ``experiments.train._check_train_cfg`` before anything is built) rejects any such key that is not a
+  field of its node's schema, naming it.
+
+The trainer's own groups (``train``, ``parallel``, ``optim``, ``data``, ``logger``) are defined here;
+their defaults are the values ``conf/`` used before, so a run without overrides trains exactly as
+it did. Importing this module also registers the ``${div:a,b}`` resolver the yamls use. It needs
+hydra and omegaconf; ``moe``, ``zero`` and ``routing_kernels`` never import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from moe import MoEConfig
+from moe.model import TransformerConfig
+
+# integer division in configs, e.g. fine-grained experts: d_ff: ${div:${model.d_ff},4}
+OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
+
+
+def _schema_from(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
+    """A plain dataclass with ``cls``'s fields (names, resolved types, defaults) minus ``exclude``,
+    and none of its methods (no ``__post_init__``): a schema OmegaConf can hold ``???`` and
+    ``${...}`` in."""
+    hints = typing.get_type_hints(cls)  # the string annotations of `from __future__ import annotations`
+    spec = []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = field(default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = field(default_factory=f.default_factory)
+        else:
+            default = field(default=MISSING)  # required: a yaml or an override must set it
+        spec.append((f.name, hints[f.name], default))
+    schema = dataclasses.make_dataclass(name, spec)
+    schema.__module__ = __name__  # pickles and prints as experiments.schema.<name>
+    schema.__doc__ = f"{cls.__module__}.{cls.__qualname__}'s fields except {', '.join(exclude) or 'none'} (generated)."
+    return schema
+
+
+# the model group: TransformerConfig without its `moe` field (the moe group is separate)
+ModelConfig = _schema_from(TransformerConfig, "ModelConfig", exclude=("moe",))
+
+
+@dataclass
+class TrainLoopConfig:
+    steps: int = 400  # optimizer steps
+    batch_size: int = 16  # GLOBAL sequences per optimizer step; each of dp ranks takes batch_size / dp
+    seq_len: int = 128
+    grad_accum: int = 1  # micro-batches per optimizer step (batch_size / dp / grad_accum sequences each)
+    grad_clip: float = 1.0  # max global gradient 2-norm; 0 disables clipping (the norm is still logged)
+    log_every: int = 10  # a metrics.jsonl row (and tracker log) every this many steps, and at the last step
+    eval_every: int = 100  # validation every this many steps, and at the last step
+    eval_batches: int = 8  # global batches of the validation split per evaluation (fixed: same windows every time)
+    progress: bool = True  # tqdm progress bar (rank 0 only)
+
+
+@dataclass
+class ParallelConfig:
+    ep: int = 1  # expert-parallel size: ranks that together hold all experts (divides dp)
+    pp: int = 1  # pipeline stages (only 1 for now; other values stop with an error)
+    zero_stage: int = 0  # 0 replicated | 1 shard optimizer state | 2 + gradients | 3 + parameters
+    zero_offload: bool = False  # ZeRO-Offload: optimizer state and step on the CPU (stages 1-3)
+    # fp32 everywhere, or bf16 compute weights/grads with fp32 master + moments (stages 1-3)
+    zero_mixed_precision: str = "fp32"
+    timeout_s: float = 300.0  # a collective waiting longer than this (a dead rank) ends the run with an error
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | adam | sgd
+    # adamw/adam: auto (torch's fused kernel where the device supports it, else foreach) | fused |
+    # foreach | switchyard (routing_kernels.FusedAdamW)
+    impl: str = "auto"
+    lr: float = 3.0e-3  # peak learning rate, reached after warmup_steps
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 40
+    weight_decay: float = 0.1  # applied to matrices (dim >= 2) only, not to norms
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # adamw/adam
+    eps: float = 1.0e-8  # adamw/adam
+    momentum: float = 0.9  # sgd
+
+
+@dataclass
+class DataConfig:
+    """One schema for every source; each source reads its own keys (``experiments.data.build_data``).
+    ``path`` is mandatory (``???``) unless a source's yaml sets it: ``conf/data/stdlib.yaml`` sets
+    null (a yaml cannot turn a default back into ``???``: OmegaConf's merge keeps the old value)."""
+
+    source: str = "stdlib"  # stdlib | text | tokens
+    path: Optional[str] = MISSING  # text, tokens: the file or folder
+    pattern: str = "**/*"  # text: files to take from a folder (binary files, i.e. containing NUL bytes, are skipped)
+    vocab_size: int = 256  # bytes for stdlib and text
+    val_fraction: float = 0.05  # held-out share: of FILES for a folder (by a hash of each relative path), else the last bytes/tokens
+    split_seed: int = 0  # stdlib, text
+    cache_dir: Optional[str] = None  # stdlib, text; null: $SWITCHYARD_CACHE, else ~/.cache/switchyard
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none (metrics.jsonl only) | wandb; the keys below are wandb's
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "switchyard"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # null: one group per Hydra multirun (job name + sweep folder); none for single runs
+    tags: List[str] = field(default_factory=list)
+    expert_load: bool = True  # a per-MoE-layer histogram of tokens per expert at every logged step
+
+
+@dataclass
+class TrainConfig:
+    """The root (``conf/train.yaml``); each group's node is filled by the group's choice."""
+
+    seed: int = 0
+    device: str = "auto"  # auto: CUDA when available, else CPU
+    precision: str = "fp32"  # fp32 | bf16 (autocast; parameters and optimizer state stay fp32)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    model: ModelConfig = MISSING  # type: ignore[valid-type]
+    moe: MoEConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    optim: OptimConfig = MISSING
+    data: DataConfig = MISSING
+    logger: LoggerConfig = MISSING
+
+
+# group -> its schema; the root is stored as `base_train`, each group's as `base_<group>`
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register(cs: ConfigStore | None = None) -> None:
+    """Store the schemas (idempotent; done on import, so ``import experiments.schema`` before
+    composing is enough)."""
+    cs = cs or ConfigStore.instance()
+    cs.store(name="base_train", node=TrainConfig)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+register()
+
+
+def check_keys(cfg: Any) -> None:
+    """Raise ValueError naming every key of a composed config that its node's schema does not have
+    (only ``+key=value`` overrides get past composition with one); untyped nodes are not checked."""
+    unknown = []
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, DictConfig):
+            return
+        schema = OmegaConf.get_type(node)
+        known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+        for key in node.keys():
+            full = f"{path}{key}"
+            if not path and key == "hydra":  # compose(return_hydra_config=True): Hydra's own, typed by Hydra
+                continue
+            if known is not None and key not in known:
+                unknown.append((full, schema))
+                continue
+            walk(node._get_node(key), f"{full}.")
+
+    walk(cfg, "")
+    if unknown:
+        raise ValueError("; ".join(
+            f"unknown config key {full}: {schema.__name__} has no such field (valid: {', '.join(f.name for f in dataclasses.fields(schema))})"
+            for full, schema in unknown))
