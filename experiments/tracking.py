@@ -61,7 +61,7 @@ class WandbTracker(Tracker):
             name=job.get("name"),
             tags=list(lcfg.tags),
             dir=str(run_dir),
-            # resolved, so wandb shows values rather than ${...} strings (STYLE.md 15)
+            # resolved, so wandb shows values rather than ${...} strings
             config=OmegaConf.to_container(cfg, resolve=True),
         )
 

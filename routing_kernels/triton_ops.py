@@ -3,7 +3,7 @@
 Legend: T tokens, K routing slots per token, D model dim, E experts, S rows in expert order,
 A = T * K flat assignments, B blocks of assignments, N elements of a flat optimizer buffer.
 
-Each op has three layers (STYLE.md 7): a private ``@triton.jit`` kernel, a launcher (``_*_launch``)
+Each op has three layers: a private ``@triton.jit`` kernel, a launcher (``_*_launch``)
 that validates shapes and dtypes, makes inputs contiguous and picks block sizes, and the public
 function with the signature of its torch reference in ``reference.py`` (autograd-aware where the op
 has a backward). ``dispatch.py`` imports this module lazily, so ``import triton`` only happens once

@@ -108,7 +108,7 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
         while b"tokens_per_s" not in (blob := records.read_bytes()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert b"expert_load/layer0" in blob and b"val_loss" in blob and b"tokens_per_s" in blob
-        assert b'"d_model"' in blob and b"${" not in blob, "the config is logged resolved (STYLE.md 15)"
+        assert b'"d_model"' in blob and b"${" not in blob, "the config is logged resolved"
 
 
 def test_moe_vs_dense_pairs_equal_active_params(tmp_path, stdlib):
