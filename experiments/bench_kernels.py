@@ -13,7 +13,7 @@ On a machine without CUDA it times the torch references only, at small sizes, an
 It imports only torch, triton and ``routing_kernels`` (no hydra, no wandb), so it runs unchanged on
 a GPU box that has nothing else installed.
 
-Legend: T tokens, K slots, D model dim, E experts, S rows in expert order (kept assignments).
+Shapes follow the project's legend (docs/design.md).
 Bytes counted (minimum traffic, every tensor read or written once):
   permute        read x [T, D], write x_SD [S, D], read dest [T, K]
   permute bwd    read grad [S, D], write grad_x [T, D], read dest

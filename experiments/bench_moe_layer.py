@@ -21,7 +21,7 @@ sparse layer costs what its FLOPs cost densely). ``--grouped-mm`` also times the
 as one ``torch._grouped_mm`` per weight (where this torch has it) against the per-expert loop, after
 checking that both give the same numbers (the layer itself uses ``_grouped_mm`` in bf16 on sm_90).
 
-Legend: T tokens, K slots, D model dim, F expert hidden dim, E experts, S rows in expert order.
+Shapes follow the project's legend (docs/design.md).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ cached as ``uint8`` files keyed by the file list, so later runs start instantly.
 Batches: ``get_batch(split, step, ...)`` draws the GLOBAL batch of an optimizer step from a
 generator seeded by (seed, split, step) — identical on every rank — and returns this data-parallel
 rank's contiguous slice of it. The union over ranks is therefore exactly the one-process batch, the
-slices are disjoint, and a run can resume at any step. Legend: B sequences, L sequence length.
+slices are disjoint, and a run can resume at any step. Shapes follow the project's legend
+(docs/design.md): B sequences, L sequence length.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ and accumulation setting trains the same thing as one process on the whole batch
 
 The pieces (``build_layout``, ``build_model``, ``build_optimizer``, ``lr_at``, ``evaluate``,
 ``train``) are plain functions of the config, so tests and other drivers use them without the CLI.
-Legend: B sequences, L sequence length, V vocabulary.
+Shapes follow the project's legend (docs/design.md): B sequences, L sequence length, V vocabulary.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Router auxiliary losses.
 
-Legend: T tokens, K top-k, E experts, B sequences, S tokens per sequence.
+Shapes follow the project's legend (docs/design.md): T tokens, K routing slots, E experts,
+B sequences, L tokens per sequence.
 
 Global-batch balancing: with a data-parallel group, ``f_e`` (fraction of assignments) and the
 reported value use the whole batch, while the differentiable term uses the local mean of the
@@ -25,14 +26,14 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: i
     return E * torch.dot(f_E, P_E)
 
 
-def sequence_load_balancing_loss(probs_BSE: torch.Tensor, expert_ids_BSK: torch.Tensor) -> torch.Tensor:
+def sequence_load_balancing_loss(probs_BLE: torch.Tensor, expert_ids_BLK: torch.Tensor) -> torch.Tensor:
     """The balancing loss computed within each sequence, then averaged over sequences (DeepSeek-V3)."""
-    B, S, E = probs_BSE.shape
-    K = expert_ids_BSK.shape[-1]
-    one_hot_BE = torch.zeros(B, E, dtype=probs_BSE.dtype, device=probs_BSE.device)
-    one_hot_BE.scatter_add_(1, expert_ids_BSK.reshape(B, S * K), torch.ones(B, S * K, dtype=probs_BSE.dtype, device=probs_BSE.device))
-    f_BE = one_hot_BE / (K * S)
-    P_BE = probs_BSE.mean(1)
+    B, L, E = probs_BLE.shape
+    K = expert_ids_BLK.shape[-1]
+    one_hot_BE = torch.zeros(B, E, dtype=probs_BLE.dtype, device=probs_BLE.device)
+    one_hot_BE.scatter_add_(1, expert_ids_BLK.reshape(B, L * K), torch.ones(B, L * K, dtype=probs_BLE.dtype, device=probs_BLE.device))
+    f_BE = one_hot_BE / (K * L)
+    P_BE = probs_BLE.mean(1)
     return E * (f_BE * P_BE).sum(-1).mean()
 
 

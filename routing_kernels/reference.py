@@ -3,8 +3,9 @@
 These are the CPU path and the test oracle of the Triton kernels; a Triton kernel must keep the
 same signature as its reference here.
 
-Legend (used project-wide): T tokens, K routing slots per token (top-k), D model dim,
-F expert hidden dim, E experts, S rows in expert order (kept assignments), R ranks.
+Shapes follow the project's legend (docs/design.md): T tokens, K routing slots per token (top-k),
+D model dim, F expert hidden dim, E experts, X experts held here, S rows in expert order (kept
+assignments), A assignments (T * K).
 
 An assignment (t, k) is *dropped* when its expert id is negative; every op skips it, and its
 destination row is -1.

@@ -1,7 +1,8 @@
 """Triton kernels for token routing and the optimizer step.
 
-Legend: T tokens, K routing slots per token, D model dim, E experts, S rows in expert order,
-A = T * K flat assignments, B blocks of assignments, N elements of a flat optimizer buffer.
+Shapes follow the project's legend (docs/design.md): T tokens, K routing slots per token, D model
+dim, E experts, S rows in expert order, A = T * K flat assignments, N elements of a flat optimizer
+buffer, U blocks of assignments (the programs of a launch, NU of them).
 
 Each op has three layers: a private ``@triton.jit`` kernel, a launcher (``_*_launch``)
 that validates shapes and dtypes, makes inputs contiguous and picks block sizes, and the public
@@ -25,7 +26,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_histogram_kernel(ids_ptr, rank_ptr, counts_EB_ptr, A, E, NB, BLOCK_A: tl.constexpr, E_PAD: tl.constexpr):
+def _block_histogram_kernel(ids_ptr, rank_ptr, counts_EU_ptr, A, E, NU, BLOCK_A: tl.constexpr, E_PAD: tl.constexpr):
     b = tl.program_id(0)
     a = b * BLOCK_A + tl.arange(0, BLOCK_A)
     in_range = a < A
@@ -36,7 +37,7 @@ def _block_histogram_kernel(ids_ptr, rank_ptr, counts_EB_ptr, A, E, NB, BLOCK_A:
     # experts on the rows, assignments along the last axis, so the scan runs along the last axis
     onehot_EA = (cols[:, None] == e[None, :]) & kept[None, :]
     onehot_i = onehot_EA.to(tl.int32)
-    tl.store(counts_EB_ptr + cols * NB + b, tl.sum(onehot_i, axis=1), mask=cols < E)
+    tl.store(counts_EU_ptr + cols * NU + b, tl.sum(onehot_i, axis=1), mask=cols < E)
     # stable rank within the block: how many earlier assignments of this block chose the same expert
     before = tl.cumsum(onehot_i, axis=1) - onehot_i
     rank = tl.sum(tl.where(onehot_EA, before, 0), axis=0)
@@ -44,14 +45,14 @@ def _block_histogram_kernel(ids_ptr, rank_ptr, counts_EB_ptr, A, E, NB, BLOCK_A:
 
 
 @triton.jit
-def _expert_scan_kernel(counts_EB_ptr, counts_E_ptr, NB, BLOCK_B: tl.constexpr):
+def _expert_scan_kernel(counts_EU_ptr, counts_E_ptr, NU, BLOCK_U: tl.constexpr):
     # one program per expert: exclusive scan of its per-block counts, in place, and its total
     e = tl.program_id(0)
-    row_ptr = counts_EB_ptr + e.to(tl.int64) * NB
-    carry = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
-    for start in range(0, NB, BLOCK_B):
-        bb = start + tl.arange(0, BLOCK_B)
-        m = bb < NB
+    row_ptr = counts_EU_ptr + e.to(tl.int64) * NU
+    carry = tl.sum(tl.zeros([BLOCK_U], dtype=tl.int32), axis=0)
+    for start in range(0, NU, BLOCK_U):
+        bb = start + tl.arange(0, BLOCK_U)
+        m = bb < NU
         c = tl.load(row_ptr + bb, mask=m, other=0)
         tl.store(row_ptr + bb, carry + tl.cumsum(c, axis=0) - c, mask=m)
         carry += tl.sum(c, axis=0)
@@ -59,7 +60,7 @@ def _expert_scan_kernel(counts_EB_ptr, counts_E_ptr, NB, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _dest_kernel(ids_ptr, dest_ptr, base_EB_ptr, counts_E_ptr, offsets_E1_ptr, A, E, NB,
+def _dest_kernel(ids_ptr, dest_ptr, base_EU_ptr, counts_E_ptr, offsets_E1_ptr, A, E, NU,
                  BLOCK_A: tl.constexpr, E_PAD: tl.constexpr):
     b = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
@@ -71,7 +72,7 @@ def _dest_kernel(ids_ptr, dest_ptr, base_EB_ptr, counts_E_ptr, offsets_E1_ptr, A
         tl.store(offsets_E1_ptr + 1 + cols, ends, mask=cm)
         tl.store(offsets_E1_ptr + cols, tl.zeros([E_PAD], dtype=tl.int64), mask=cols == 0)
     # first row of this block's share of each expert's segment
-    start_E = (ends - counts) + tl.load(base_EB_ptr + cols * NB + b, mask=cm, other=0).to(tl.int64)
+    start_E = (ends - counts) + tl.load(base_EU_ptr + cols * NU + b, mask=cm, other=0).to(tl.int64)
     a = b * BLOCK_A + tl.arange(0, BLOCK_A)
     in_range = a < A
     e = tl.load(ids_ptr + a, mask=in_range, other=-1).to(tl.int32)
@@ -98,15 +99,15 @@ def _routing_metadata_launch(expert_ids_TK: torch.Tensor, num_experts: int, bloc
     # the one-hot tile is E_PAD x BLOCK_A; 4k int32 lanes (32 per thread) stay in registers
     # (16k spilled on sm_90), and more blocks only lengthen the cheap per-expert scan
     BLOCK_A = block_a or max(16, min(1024, 4096 // E_PAD))
-    NB = max(1, triton.cdiv(A, BLOCK_A))
-    BLOCK_B = block_b or min(1024, triton.next_power_of_2(NB))
+    NU = max(1, triton.cdiv(A, BLOCK_A))
+    BLOCK_U = block_b or min(1024, triton.next_power_of_2(NU))
     dest_A = torch.empty(A, dtype=torch.int64, device=dev)
-    counts_EB = torch.empty(E, NB, dtype=torch.int32, device=dev)
+    counts_EU = torch.empty(E, NU, dtype=torch.int32, device=dev)
     counts_E = torch.empty(E, dtype=torch.int64, device=dev)
     offsets_E1 = torch.empty(E + 1, dtype=torch.int64, device=dev)
-    _block_histogram_kernel[(NB,)](ids_A, dest_A, counts_EB, A, E, NB, BLOCK_A=BLOCK_A, E_PAD=E_PAD)
-    _expert_scan_kernel[(E,)](counts_EB, counts_E, NB, BLOCK_B=BLOCK_B)
-    _dest_kernel[(NB,)](ids_A, dest_A, counts_EB, counts_E, offsets_E1, A, E, NB, BLOCK_A=BLOCK_A, E_PAD=E_PAD)
+    _block_histogram_kernel[(NU,)](ids_A, dest_A, counts_EU, A, E, NU, BLOCK_A=BLOCK_A, E_PAD=E_PAD)
+    _expert_scan_kernel[(E,)](counts_EU, counts_E, NU, BLOCK_U=BLOCK_U)
+    _dest_kernel[(NU,)](ids_A, dest_A, counts_EU, counts_E, offsets_E1, A, E, NU, BLOCK_A=BLOCK_A, E_PAD=E_PAD)
     return counts_E, offsets_E1, dest_A.view(T, K)
 
 

@@ -4,7 +4,7 @@ Nothing here is vectorised or shares code with ``moe/``: each routing rule is wr
 paper states it (sort this token's scores, take the top k, ...) and each expert is plain torch
 ops on one token row. Slow on purpose; the tests keep shapes small.
 
-Legend: T tokens, K slots, D model dim, F expert hidden dim, E experts, G expert groups.
+Shapes follow the project's legend (docs/design.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Triton routing kernels against their torch references, on the CPU under TRITON_INTERPRET=1.
 
-Legend: T tokens, K slots, D model dim, E experts, S rows in expert order, N flat optimizer elements.
+Shapes follow the project's legend (docs/design.md).
 
 Sizes are tiny on purpose (the interpreter runs every program in numpy) but chosen so every mask is
 hit: T and D are not multiples of the block, several tiles per dimension (explicit small blocks),

@@ -1,6 +1,6 @@
 """Router losses against values worked out by hand on tiny inputs.
 
-Legend: T tokens, K slots, E experts, B sequences, S tokens per sequence.
+Shapes follow the project's legend (docs/design.md): B sequences, L tokens per sequence.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_load_balancing_global_counts():
 
 
 def test_sequence_load_balancing_by_hand():
-    # B=2 sequences of S=2 tokens, E=2, k=1
+    # B=2 sequences of L=2 tokens, E=2, k=1
     # seq 0: ids [0, 0] -> f = [1, 0], P = [.75, .25] -> 2 * .75 = 1.5
     # seq 1: ids [1, 0] -> f = [.5, .5], P = [.35, .65] -> 2 * (.175 + .325) = 1.0;  mean 1.25
     probs = torch.tensor([[[0.9, 0.1], [0.6, 0.4]], [[0.2, 0.8], [0.5, 0.5]]])

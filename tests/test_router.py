@@ -1,6 +1,6 @@
 """Router against the naive per-token router of tests/naive.py.
 
-Legend: T tokens, K slots, D model dim, E experts.
+Shapes follow the project's legend (docs/design.md).
 """
 from __future__ import annotations
 
