@@ -107,9 +107,9 @@ _WHOLE_TENSOR = {
     "SparseAdam": "needs sparse gradients, and ZeRO reduces dense flat gradient buffers",
 }
 # optimizers known to update each element from its own parameter, gradient and state alone
-_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+_ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                 torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
-                torch.optim.ASGD, routing_kernels.FusedAdamW)
+                torch.optim.ASGD, routing_kernels.FusedAdamW}
 
 
 def check_elementwise(opt) -> None:
@@ -120,7 +120,8 @@ def check_elementwise(opt) -> None:
     why = next((_WHOLE_TENSOR[c.__name__] for c in type(opt).__mro__ if c.__name__ in _WHOLE_TENSOR), None)
     if flag is True:
         return
-    if flag is None and why is None and isinstance(opt, _ELEMENTWISE):
+    # the exact class: a subclass may change the update (it declares ``elementwise = True`` if not)
+    if flag is None and why is None and type(opt) in _ELEMENTWISE:
         return
     shard = ("ZeroEngine gives the optimizer 1-D shard tensors (slices of flat buffers that hold several parameters "
              "end to end and, under stages 1-3, cut through them; under stage 0 too)")
@@ -403,7 +404,13 @@ class ZeroEngine:
         groups = [dict(options, params=[t for f in self.flats for g, _, _, t in f.shards if g == gi])
                   for gi, options in enumerate(group_options)]
         expected = [[id(t) for t in g["params"]] for g in groups]
-        self.optimizer = optimizer(groups)
+        try:
+            self.optimizer = optimizer(groups)
+        except Exception as e:  # e.g. Muon refuses 1-D tensors itself
+            raise ValueError(f"the optimizer factory failed on the engine's param groups, whose tensors are 1-D fp32 "
+                             f"shards of flat buffers ({type(e).__name__}: {e}); an optimizer that needs whole "
+                             f"parameter tensors (Muon's orthogonalised updates, Adafactor's factored moments) "
+                             f"cannot run under ZeroEngine") from e
         _check_optimizer(self.optimizer, expected)
         self._fused_step = bool(getattr(self.optimizer, "fuses_scale_and_copy", False))
 
