@@ -112,7 +112,9 @@ def run_engine(layout: Layout, opt_name: str, stage: int, steps: int = STEPS, gr
         if layout.dp_group is not None:
             dist.all_reduce(total, group=layout.dp_group)
         losses.append(total.item() / layout.dp)
-    return losses, engine.full_parameters(), type(engine.optimizer).__name__
+    # elements the optimizer updates on this rank: its shard of every parameter, no padding
+    held = sum(t.numel() for g in engine.optimizer.param_groups for t in g["params"])
+    return losses, engine.full_parameters(), type(engine.optimizer).__name__, held
 
 
 def _plan(world: int):
@@ -209,10 +211,17 @@ def results_dp4():
 
 def _check_against_references(results, references, world: int) -> int:
     checked = 0
+    total = sum(p.numel() for p in reference_net().parameters())
+    for key in _plan(world):
+        held = [out[key][3] for out in results]
+        if key[2] == 0:  # replicated: every rank updates all it holds
+            assert held == [sum(p.numel() for p in out[key][1].values()) for out in results], (key, held)
+        else:  # the shards of all ranks together: every element of the model once
+            assert sum(held) == total, (key, held, total)
     for rank, out in enumerate(results):
         for key in _plan(world):
             ep, opt_name, stage, offload = key
-            losses, params, opt_type = out[key]
+            losses, params, opt_type, _ = out[key]
             ref_losses, ref_params = references[(opt_name, world, len(losses))]
             assert opt_type == {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "fused": "FusedAdamW"}[opt_name], (key, opt_type)
             for a, b in zip(losses, ref_losses):
@@ -246,7 +255,7 @@ def test_the_runs_train(references):
 
 def test_groups_as_a_function_equal_groups_as_a_list(results_dp2):
     for out in results_dp2:
-        (losses_f, params_f, _), (losses_l, params_l, _) = out["callable_groups"]
+        (losses_f, params_f, _, _), (losses_l, params_l, _, _) = out["callable_groups"]
         assert losses_f == losses_l and all(torch.equal(params_f[n], params_l[n]) for n in params_l)
 
 
