@@ -88,7 +88,8 @@ class FlatGroup:
         """The buffers the optimizer's shard tensors are views of (the master slice), and the compute
         buffer they may alias; no values, no communication. ``load`` fills them. Between the two the
         engine builds and checks the optimizer, so a bad optimizer stops before any collective and
-        leaves the model untouched."""
+        leaves the model untouched. (Stages 0-2 allocate the full compute buffer here: until ``load``
+        rebinds the parameters, the engine's construction holds the weights twice.)"""
         opt_lo, opt_hi = self.opt_range
         # fp32 compute on the optimizer's device: the compute slice itself is the master copy
         self.separate_master = self.compute_dtype != torch.float32 or self.offload
