@@ -4,8 +4,9 @@
 
 Both runs train the same MoE stack on the same global batch: DDP replicates every expert on every
 rank and all-reduces all gradients; EP holds E/ep experts per rank, moves tokens by All-to-All and
-reduces only dense gradients over dp. Reports tokens/s of a full training step (forward, backward,
-gradient reduction, AdamW) for both and the share of EP's step spent inside All-to-All calls.
+reduces only dense gradients over dp (``zero.ZeroEngine`` at stage 0 with torch's AdamW). Reports
+tokens/s of a full training step (forward, backward, gradient reduction, AdamW) for both and the
+share of EP's step spent inside All-to-All calls.
 Runs on gloo (CPU) or NCCL (GPU) alike; imports no hydra or wandb.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ class MoEStack(nn.Module):
 
 def _run(rank, world, port, args, out_q):
     from moe import MoEConfig
-    from zero import Layout, sync_gradients
+    from zero import Layout, ZeroEngine
 
     device = init_rank(rank, world, port, timeout_s=300)
     cfg = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
@@ -92,14 +93,12 @@ def _run(rank, world, port, args, out_q):
     layout = Layout.build(ep=world, num_experts=cfg.num_experts)
     torch.manual_seed(0)
     model = MoEStack(cfg, args.layers, layout.ep_group, layout.dp_group).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine = ZeroEngine(model, layout, stage=0, optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-4))
 
     def ep_step():
         loss = (model(x) - target).square().mean()
-        opt.zero_grad(set_to_none=True)
         loss.backward()
-        sync_gradients(model, layout)
-        opt.step()
+        engine.step()
 
     dist.all_to_all_single = timed_all_to_all
     try:

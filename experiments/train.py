@@ -3,12 +3,14 @@
 The configured ``train.batch_size`` is the GLOBAL batch of one optimizer step. A layout with dp
 data-parallel ranks gives each rank ``batch_size / dp`` rows of that same global batch (see
 ``experiments.data``), split into ``grad_accum`` micro-batches; each micro-batch loss is divided by
-``grad_accum`` and the gradients are averaged over dp by ``zero.sync_gradients``, so every layout
-and accumulation setting trains the same thing as one process on the whole batch.
+``grad_accum`` and the gradients are averaged over dp by the ``zero.ZeroEngine`` that drives every
+``parallel.zero_stage``, 0 included, so every layout and accumulation setting trains the same thing
+as one process on the whole batch.
 
-The pieces (``build_layout``, ``build_model``, ``build_optimizer``, ``lr_at``, ``evaluate``,
-``train``) are plain functions of the config, so tests and other drivers use them without the CLI.
-Shapes follow the project's legend (docs/design.md): B sequences, L sequence length, V vocabulary.
+The pieces (``build_layout``, ``build_model``, ``build_engine``, ``optimizer_factory``, ``lr_at``,
+``evaluate``, ``train``) are plain functions of the config, so tests and other drivers use them
+without the CLI. Shapes follow the project's legend (docs/design.md): B sequences, L sequence
+length, V vocabulary.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import torch.nn.functional as nnf
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -49,22 +51,21 @@ def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
     return zero.Layout.single()
 
 
-def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout) -> "zero.ZeroEngine | None":
-    """The ZeRO engine for ``parallel.zero_stage`` >= 1 (it owns the optimizer, the gradient
-    reduction and clipping); None at stage 0, where ``build_optimizer`` and ``zero.sync_gradients``
-    do that work."""
+def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout) -> zero.ZeroEngine:
+    """The ``zero.ZeroEngine`` for ``parallel.zero_stage`` (0-3): it owns the gradient reduction,
+    clipping and the optimizer of ``optimizer_factory(cfg.optim)``, over two param groups: matrices
+    decay, norm gains and other 1-D parameters do not."""
     pcfg, ocfg = cfg.parallel, cfg.optim
-    if int(pcfg.zero_stage) == 0:
-        if pcfg.get("zero_offload", False):
-            raise ValueError("parallel.zero_offload=true needs parallel.zero_stage >= 1")
-        return None
+    if int(pcfg.zero_stage) == 0 and pcfg.zero_offload:
+        raise ValueError("parallel.zero_offload=true needs parallel.zero_stage >= 1")
+    factory = optimizer_factory(ocfg)  # a bad optim.* stops here, before the engine's first collective
+    wd = float(ocfg.weight_decay)
     return zero.ZeroEngine(
-        model, layout, stage=int(pcfg.zero_stage), lr=float(ocfg.lr),
-        betas=tuple(float(b) for b in ocfg.betas), eps=float(ocfg.eps), weight_decay=float(ocfg.weight_decay),
-        weight_decay_filter=lambda name, p: p.dim() >= 2,  # the same two groups as build_optimizer
+        model, layout, stage=int(pcfg.zero_stage), optimizer=factory,
+        param_groups=lambda name, p: {"weight_decay": wd if p.dim() >= 2 else 0.0},
         max_grad_norm=float(cfg.train.grad_clip) if cfg.train.grad_clip > 0 else None,
-        offload=bool(pcfg.get("zero_offload", False)),
-        mixed_precision=str(pcfg.get("zero_mixed_precision", "fp32")),
+        offload=bool(pcfg.zero_offload),
+        mixed_precision=str(pcfg.zero_mixed_precision),
     )
 
 
@@ -81,30 +82,41 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transform
     return Transformer(TransformerConfig.from_dict(mcfg, moe=moe_cfg), layout=layout)
 
 
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW over two groups: matrices decay, norm gains do not. ``optim.impl``: ``fused`` (torch's
-    fused kernel), ``foreach``, ``auto`` (fused where the parameters' device supports it), or
-    ``switchyard`` (``routing_kernels.FusedAdamW``: our Triton kernel on CUDA, its reference elsewhere)."""
-    ocfg = cfg.optim
-    if ocfg.name != "adamw":
-        raise ValueError(f"optim.name={ocfg.name!r} is invalid: expected 'adamw'")
-    if ocfg.impl not in ("auto", "fused", "foreach", "switchyard"):
-        raise ValueError(f"optim.impl={ocfg.impl!r} is invalid: expected one of ('auto', 'fused', 'foreach', 'switchyard')")
-    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": float(ocfg.weight_decay)},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    kw = dict(lr=float(ocfg.lr), betas=tuple(float(b) for b in ocfg.betas), eps=float(ocfg.eps))
-    if ocfg.impl == "switchyard":
-        return routing_kernels.FusedAdamW(groups, **kw)
-    if ocfg.impl in ("auto", "fused"):
-        try:
-            return torch.optim.AdamW(groups, fused=True, **kw)
-        except (RuntimeError, ValueError) as e:
-            if ocfg.impl == "fused":
-                raise ValueError(f"optim.impl=fused is not supported here ({e}); use optim.impl=foreach or auto") from e
-    return torch.optim.AdamW(groups, foreach=True, **kw)
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+_IMPLS = ("auto", "fused", "foreach", "switchyard")
+
+
+def optimizer_factory(ocfg):
+    """``groups -> torch.optim.Optimizer`` for ``optim.name`` (``adamw``, ``adam`` or ``sgd`` with
+    ``optim.momentum``, default 0.9) and ``optim.impl``: ``fused`` (torch's fused kernel), ``foreach``,
+    ``auto`` (fused where the optimizer's device supports it, else foreach), or ``switchyard``
+    (``routing_kernels.FusedAdamW``: our Triton kernel on CUDA, its reference elsewhere; adamw only).
+    The engine calls it over its shard tensors; weight decay comes with each param group."""
+    name, impl = ocfg.name, ocfg.impl
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"optim.name={name!r} is invalid: expected one of {tuple(_OPTIMIZERS)}")
+    if impl not in _IMPLS:
+        raise ValueError(f"optim.impl={impl!r} is invalid: expected one of {_IMPLS}")
+    if name == "sgd":
+        kw = dict(lr=float(ocfg.lr), momentum=float(ocfg.momentum))
+    else:
+        kw = dict(lr=float(ocfg.lr), betas=tuple(float(b) for b in ocfg.betas), eps=float(ocfg.eps))
+    if impl == "switchyard":
+        if name != "adamw":
+            raise ValueError(f"optim.impl=switchyard is routing_kernels.FusedAdamW, an AdamW; optim.name={name!r} "
+                             f"needs optim.impl=auto, fused or foreach")
+        return lambda groups: routing_kernels.FusedAdamW(groups, **kw)
+    cls = _OPTIMIZERS[name]
+
+    def build(groups):
+        if impl in ("auto", "fused"):
+            try:
+                return cls(groups, fused=True, **kw)
+            except (RuntimeError, ValueError) as e:
+                if impl == "fused":
+                    raise ValueError(f"optim.impl=fused is not supported here ({e}); use optim.impl=foreach or auto") from e
+        return cls(groups, foreach=True, **kw)
+    return build
 
 
 def lr_at(step: int, ocfg, total_steps: int) -> float:
@@ -145,7 +157,7 @@ def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Lay
             x, y = x_BL[a : a + micro].to(device), y_BL[a : a + micro].to(device)
             with _autocast(cfg, device):
                 logits_BLV = model(x)
-            loss_sum = F.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten(), reduction="sum")
+            loss_sum = nnf.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten(), reduction="sum")
             sum_count += torch.stack([loss_sum.double(), torch.tensor(float(y.numel()), dtype=torch.float64, device=device)])
     _all_reduce_(sum_count, layout)
     model.train(was_training)
@@ -194,7 +206,6 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     model = build_model(cfg, layout).to(device)
     model.train()
     engine = build_engine(cfg, model, layout)
-    optimizer = build_optimizer(cfg, model) if engine is None else None
     params = model.param_counts()
     unigram = data.unigram_entropy("val")
 
@@ -224,21 +235,16 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     try:
         for step in range(tcfg.steps):
             lr = lr_at(step, cfg.optim, tcfg.steps)
-            if engine is not None:
-                engine.lr = lr
-            else:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+            engine.lr = lr
             x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
             for m in range(accum):
                 x, y = x_BL[m * micro : (m + 1) * micro].to(device), y_BL[m * micro : (m + 1) * micro].to(device)
-                # under ZeRO, micro-batches before the last only accumulate locally: one
-                # reduction per optimizer step
-                quiet = engine.no_sync() if engine is not None and m < accum - 1 else nullcontext()
+                # micro-batches before the last only accumulate locally: one reduction per step
+                quiet = engine.no_sync() if m < accum - 1 else nullcontext()
                 with quiet:
                     with _autocast(cfg, device):
                         logits_BLV = model(x)
-                    loss = F.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten())
+                    loss = nnf.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten())
                     (loss / accum).backward()
                 acc["loss"] += loss.detach() / accum
                 for i, layer in enumerate(layers):
@@ -246,16 +252,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                 if layers:
                     acc["aux"] += sum(l.stats.aux_loss.float() for l in layers) / len(layers) / accum
                     acc["drop"] += sum(l.stats.dropped_fraction.float() for l in layers) / len(layers) / accum
-            if engine is not None:
-                gnorm = torch.as_tensor(engine.step(), dtype=torch.float32, device=device)  # reduce, clip, AdamW on shards
-            else:
-                zero.sync_gradients(model, layout)
-                if tcfg.grad_clip > 0:
-                    gnorm = zero.clip_grad_norm_(model, float(tcfg.grad_clip), layout)
-                else:
-                    gnorm = zero.grad_norm(model, layout)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            # reduce, clip, the optimizer on this rank's shards; the norm before clipping
+            gnorm = torch.as_tensor(engine.step(), dtype=torch.float32, device=device)
             moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
             acc["gnorm"] += gnorm.detach()
             acc["n"] += 1

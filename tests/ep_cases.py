@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from moe import MoEConfig, MoELayer
 from routing_kernels.runtime import expert_shard
-from zero import Layout, clip_grad_norm_, sync_gradients
+from zero import Layout, ZeroEngine
 
 
 def copy_full_into_sharded(sharded: nn.Module, full: nn.Module) -> None:
@@ -52,6 +52,8 @@ def layer_case(layout: Layout, cfg: MoEConfig, T_local: int, skew: list[int] | N
         skew_router(full, skew)
     layer = MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group)
     copy_full_into_sharded(layer, full)
+    # stage 0: the plain data-parallel reduction (dense mean over dp, experts summed over edp / dp)
+    engine = ZeroEngine(layer, layout, stage=0)
     x, _ = global_batch(layout.dp * T_local, cfg.d_model)
     if skew is not None:
         x = x.abs() * torch.sign(torch.arange(cfg.d_model) % 2 - 0.5)
@@ -62,13 +64,12 @@ def layer_case(layout: Layout, cfg: MoEConfig, T_local: int, skew: list[int] | N
     # global mean, the single-process loss
     c = torch.linspace(-1, 1, cfg.d_model)
     loss = (y * c).sum(-1).square().mean()
-    loss.backward()
-    sync_gradients(layer, layout)
+    engine.backward(loss)
     # dx of a rank's own tokens is unaffected by averaging: scale back to the global-mean loss
     return {
         "y": y.detach(),
         "dx": x_local.grad / layout.dp,
-        "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+        "grads": engine.full_gradients(),  # what one process would hold on the global batch
         "expert_offset": layer.experts.expert_offset,
         "stats": layer.stats.as_dict(),
     }
@@ -91,7 +92,9 @@ def train_case(layout: Layout, cfg: MoEConfig, steps: int, global_bs: int, max_n
     full = TinyMoENet(cfg, d_in)
     model = TinyMoENet(cfg, d_in, layout.ep_group, layout.dp_group)
     copy_full_into_sharded(model, full)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # the stage-0 engine (plain data parallelism) with the reference's optimizer
+    engine = ZeroEngine(model, layout, stage=0, max_grad_norm=max_norm,
+                        optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01))
     local = global_bs // layout.dp
     losses, norms = [], []
     for step in range(steps):
@@ -99,17 +102,15 @@ def train_case(layout: Layout, cfg: MoEConfig, steps: int, global_bs: int, max_n
         r = layout.dp_rank
         x, t = x[r * local : (r + 1) * local], t[r * local : (r + 1) * local]
         loss = (model(x) - t).square().mean()
-        opt.zero_grad(set_to_none=True)
         loss.backward()
-        sync_gradients(model, layout)
+        norm = engine.step()  # reduce, clip, AdamW; the norm before clipping
         if max_norm is not None:
-            norms.append(clip_grad_norm_(model, max_norm, layout).item())
-        opt.step()
+            norms.append(norm)
         reported = loss.detach().clone()
         if layout.dp_group is not None:
             dist.all_reduce(reported, group=layout.dp_group)
         losses.append(reported.item() / layout.dp)
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "expert_offset": model.moe.experts.expert_offset}
+    return {"losses": losses, "norms": norms, "params": engine.full_parameters(), "expert_offset": model.moe.experts.expert_offset}
 
 
 def ep_rank_fn(rank, world, plan):

@@ -16,8 +16,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+import routing_kernels
+import zero
 from experiments.data import load_stdlib
-from experiments.train import build_optimizer, lr_at, train
+from experiments.train import build_engine, build_model, lr_at, train
 from tests.dist_utils import free_port, run_distributed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -226,21 +228,44 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
 
-def test_build_optimizer():
-    cfg = cfg_of("model=tiny")
-    from experiments.train import build_model
+# (overrides, optimizer class, settings it must carry): a build_engine that ignored optim.name or
+# optim.impl would build the same optimizer for every row
+OPTIMIZER_CHOICES = [
+    (["optim.impl=switchyard"], routing_kernels.FusedAdamW, {}),
+    (["optim.impl=foreach"], torch.optim.AdamW, {"foreach": True, "fused": None}),
+    (["optim.impl=fused"], torch.optim.AdamW, {"fused": True}),
+    (["optim.impl=auto"], torch.optim.AdamW, {"fused": True}),  # torch's fused kernel runs on the CPU too
+    (["optim.name=adam", "optim.impl=foreach"], torch.optim.Adam, {"foreach": True, "betas": (0.9, 0.95)}),
+    (["optim.name=sgd"], torch.optim.SGD, {"momentum": 0.9}),
+    (["optim.name=sgd", "++optim.momentum=0.5", "optim.impl=foreach"], torch.optim.SGD, {"momentum": 0.5, "foreach": True}),
+]
 
-    model = build_model(cfg)
-    opt = build_optimizer(cfg, model)
-    assert isinstance(opt, torch.optim.AdamW)
-    decayed, plain = opt.param_groups
-    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
-    assert plain["weight_decay"] == 0.0
-    n = sum(len(g["params"]) for g in opt.param_groups)
-    assert n == len(list(model.parameters()))
-    assert build_optimizer(cfg_of("model=tiny", "optim.impl=foreach"), model).defaults["foreach"]
-    with pytest.raises(ValueError, match="optim.impl='sgd'"):
-        build_optimizer(cfg_of("model=tiny", "optim.impl=sgd"), model)
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_build_engine_uses_the_configured_optimizer_under_every_stage(stage):
+    for overrides, cls, settings in OPTIMIZER_CHOICES:
+        cfg = cfg_of("model=tiny", f"parallel.zero_stage={stage}", *overrides)
+        model = build_model(cfg)
+        shapes = {n: p.dim() for n, p in model.named_parameters()}
+        engine = build_engine(cfg, model, zero.Layout.single())
+        opt = engine.optimizer
+        assert type(opt) is cls, (overrides, type(opt))
+        for k, v in settings.items():
+            assert opt.defaults.get(k) == v, (overrides, k, opt.defaults.get(k))
+        # two groups: matrices decay, norm gains and other 1-D parameters do not
+        decayed, plain = engine.param_group_names
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+        assert all(shapes[n] >= 2 for n in decayed) and all(shapes[n] < 2 for n in plain)
+        assert sorted(decayed + plain) == sorted(shapes)
+        engine.remove_hooks()
+
+
+def test_bad_optimizer_choices_are_named():
+    model = build_model(cfg_of("model=tiny"))
+    for overrides, match in [(["optim.impl=sgd"], "optim.impl='sgd'"), (["optim.name=lion"], "optim.name='lion'"),
+                             (["optim.name=sgd", "optim.impl=switchyard"], "optim.impl=switchyard is routing_kernels.FusedAdamW")]:
+        with pytest.raises(ValueError, match=match):
+            build_engine(cfg_of("model=tiny", *overrides), model, zero.Layout.single())
 
 
 @pytest.mark.parametrize("override,error,match", [

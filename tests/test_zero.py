@@ -1,4 +1,5 @@
-"""ZeRO stages 0-3 (+ offload, + expert parallelism) against single-process torch.optim.AdamW.
+"""ZeRO stages 0-3 (+ offload, + expert parallelism) with the default optimizer (FusedAdamW) against
+single-process torch.optim.AdamW. Other optimizers: tests/test_zero_optim.py.
 
 Every distributed configuration runs inside one spawn of ranks (a spawn costs seconds of imports on
 this machine): the rank function loops over stages, ep sizes, accumulation, clipping and offload and
@@ -20,7 +21,7 @@ import torch.nn as nn
 from moe import MoEConfig, MoELayer, is_expert_param, scale_aux_losses
 from tests.dist_utils import run_distributed
 from zero import Layout
-import zero.engine as zero_engine
+import routing_kernels.optim
 from zero.engine import ZeroEngine, default_blocks
 
 D, F, E, STEPS, LR, WD = 16, 24, 4, 20, 1e-2, 0.1
@@ -147,8 +148,9 @@ def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps
                all_no_sync: bool = False, **kw):
     net = sharded_net(layout, kind)
     scale_aux_losses(net, 1.0 / accum)
+    # the default optimizer (routing_kernels.FusedAdamW) with the reference's two groups
     engine = ZeroEngine(net, layout, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=clip,
-                        weight_decay_filter=lambda name, p: p.dim() >= 2, **kw)
+                        param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0}, **kw)
     x, y = batches(accum, layout.dp)
     rows = slice(layout.dp_rank * B_PER_RANK, (layout.dp_rank + 1) * B_PER_RANK)
     losses = []
@@ -240,7 +242,8 @@ def _equivalence_rank(rank, world):
         # bf16 compute weights and gradients, fp32 master weights and moments
         for stage in (2, 3):
             losses, _, _, engine = run_engine(layout, stage, 2, CLIP, steps=BF16_STEPS, mixed_precision="bf16")
-            dtypes = ({f.full_P.dtype for f in engine.flats}, {f.master.dtype for f in engine.flats}, {f.exp_avg.dtype for f in engine.flats})
+            moments = {v.dtype for st in engine.optimizer.state.values() for v in st.values() if v.dim() > 0}
+            dtypes = ({f.full_P.dtype for f in engine.flats}, {f.master.dtype for f in engine.flats}, moments)
             out[("bf16", offload_ep, stage)] = (losses, refs[ACCUM_CLIP][0][:BF16_STEPS], dtypes)
     if world == 4:
         out[("transformer", 2, 3)] = _transformer_run(rank, world, layout)
@@ -377,8 +380,8 @@ def test_stage3_holds_at_most_two_gathered_blocks(results_dp4, results_dp2):
 
 def test_single_process_path_matches_adamw(one_thread, monkeypatch):
     # layout None: the reference path itself, every stage, with accumulation and clipping; a
-    # prime-sized Adam chunk so the CPU update's chunk boundaries cut through every parameter
-    monkeypatch.setattr(zero_engine, "_CPU_ADAM_CHUNK", 97)
+    # prime-sized chunk of FusedAdamW's CPU update, so its boundaries cut through every parameter
+    monkeypatch.setattr(routing_kernels.optim, "_CPU_CHUNK", 97)
     ref = run_reference(2, CLIP, 1)
     layout = Layout.single()
     for stage in (0, 1, 2, 3):

@@ -1,13 +1,20 @@
-"""``ZeroEngine``: ZeRO stages 0-3 with CPU offload, for any ``nn.Module``, composed with expert parallelism.
+"""``ZeroEngine``: data parallelism (ZeRO stages 0-3, CPU offload) for any ``nn.Module`` and any
+elementwise torch optimizer, composed with expert parallelism. Stage 0 is the plain replicated
+data parallelism (DDP's all-reduce) through the same code: one API for every stage.
 
-    engine = ZeroEngine(model, layout, stage=3, lr=3e-4, weight_decay=0.1, max_grad_norm=1.0)
+    engine = ZeroEngine(model, layout, stage=3, max_grad_norm=1.0,
+                        optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.1),
+                        param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0})
     for micro_batches in loader:                      # one optimizer step
         with engine.no_sync():                        # local accumulation, no communication
             for x, y in micro_batches[:-1]:
                 engine.backward(loss_fn(engine(x), y) / len(micro_batches))
         x, y = micro_batches[-1]
         engine.backward(loss_fn(engine(x), y) / len(micro_batches))   # reduction overlaps this backward
-        grad_norm = engine.step()                     # clip, AdamW on the shards, re-gather (1-2)
+        engine.lr = schedule(step)                    # or engine.optimizer.param_groups[i]["lr"] = ...
+        grad_norm = engine.step()                     # clip, the optimizer on the shards, re-gather (1-2)
+
+(``loss.backward()`` works as well as ``engine.backward(loss)``, and ``model(x)`` as ``engine(x)``.)
 
 What each stage keeps per rank (P parameters, W ranks of the sharding group):
     stage 0: weights, gradients, fp32 optimizer state, all full size (gradients all-reduced);
@@ -17,10 +24,33 @@ What each stage keeps per rank (P parameters, W ranks of the sharding group):
     stage 3: stage 2, and the weights are a 1/W slice too: each block's weights are all-gathered
              just before its forward and again before its backward, and freed after each; the next
              block's gather is started (async) while the current block computes.
-Dense parameters shard over ``layout.dp_group``; expert parameters (marked by the experts module, ``routing_kernels.runtime.expert_shard``) over
-``layout.edp_group``. Gradients are summed by the reduction and multiplied by 1/dp inside the
-update, which is exactly the stage-0 rule of ``zero.grad_sync`` (dense averaged over dp, experts
-summed over edp and divided by dp).
+Dense parameters shard over ``layout.dp_group``; expert parameters (marked by the experts module,
+``routing_kernels.runtime.expert_shard``) over ``layout.edp_group``.
+
+The reduction rule that makes every layout train like one process on the global batch (each
+rank's loss the mean over its own micro-batch, all micro-batches the same size): dense gradients
+are averaged over dp; an expert's gradient already sums every rank of its ep group (the All-to-All
+backward brings it home), so it is summed over its edp replicas and divided by dp (not by edp:
+that is the classic "expert gradients ep-times too large" bug). The reduction sums; the step
+multiplies by 1/dp. The clipping norm counts each parameter once across dp, ep and pp.
+
+The optimizer (``optimizer=``, a factory): the engine hands it param groups over *shard tensors*,
+not over the model's parameters. Each unit's dense and expert parameters are laid end to end in a
+flat buffer, grouped by param group, so this rank's slice of the flat (the whole flat under stage
+0) is a few contiguous ranges, one per param group; each range is one 1-D fp32 tensor (a view of
+the master weights, on the optimizer's device) in the optimizer group of its param group. Group i
+of ``engine.optimizer.param_groups`` is param group i (with the options given for it), on every
+rank, possibly empty on some. Before ``optimizer.step()`` each shard tensor's ``.grad`` is its
+slice of the reduced gradient times 1/dp and the clip coefficient (an optimizer with
+``fuses_scale_and_copy``, ``routing_kernels.FusedAdamW``, takes the factor inside its kernel
+instead); afterwards the compute weights are refreshed from the masters (bf16 copy, offload copy
+back) and stages 1-2 all-gather them. So any optimizer whose update of an element reads only that
+element's parameter, gradient and state (and per-group scalars) trains exactly as unsharded: torch's
+SGD, Adam, AdamW, Adagrad, RMSprop, ... and ``routing_kernels.FusedAdamW`` (the default). An
+optimizer that needs whole tensors (Adafactor's factored moments, Muon's orthogonalised matrix
+updates, LBFGS's line search) is refused, and so is one the engine does not know, unless its class
+says ``elementwise = True``. A parameter that got no gradient in a step is stepped with a zero
+gradient (torch.optim would skip it: weight decay and momentum still move it here).
 
 Blocks ("units"): by default each child of the model (a ``ModuleList``/``ModuleDict`` child is
 expanded into its entries, so ``model.layers[i]`` is a block); parameters outside every block form a
@@ -65,7 +95,109 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # stage 3 holds the block that computes plus the one being prefetched, never more
 _MAX_GATHERED = 2
-_CPU_ADAM_CHUNK = 1 << 16  # elements: 256 KiB of fp32 per operand, within a core's L2
+
+# optimizers whose update of one element reads other elements of the same parameter: a ZeRO shard
+# tensor is a 1-D slice of a flat buffer that holds several parameters end to end and, under
+# stages 1-3, cuts through them, so the whole-tensor quantity they need is not there
+_WHOLE_TENSOR = {
+    "Adafactor": "keeps factored second moments (one statistic per row and per column of each matrix) and scales "
+                 "each update by its parameter's RMS, which need the parameter's whole 2-D tensor",
+    "Muon": "orthogonalises each matrix's update (Newton-Schulz iterations over the parameter's 2-D shape)",
+    "LBFGS": "keeps a history of whole flattened parameter vectors and re-evaluates a closure for its line search",
+    "SparseAdam": "needs sparse gradients, and ZeRO reduces dense flat gradient buffers",
+}
+# optimizers known to update each element from its own parameter, gradient and state alone
+_ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
+                torch.optim.ASGD, routing_kernels.FusedAdamW}
+
+
+def check_elementwise(opt) -> None:
+    """Raise ValueError unless ``opt`` may run on ZeRO shard tensors (see the module docstring).
+    A class or instance attribute ``elementwise`` (True or False) overrides what the engine knows."""
+    name = type(opt).__name__
+    flag = getattr(opt, "elementwise", None)
+    why = next((_WHOLE_TENSOR[c.__name__] for c in type(opt).__mro__ if c.__name__ in _WHOLE_TENSOR), None)
+    if flag is True:
+        return
+    # the exact class: a subclass may change the update (it declares ``elementwise = True`` if not)
+    if flag is None and why is None and type(opt) in _ELEMENTWISE:
+        return
+    shard = ("ZeroEngine gives the optimizer 1-D shard tensors (slices of flat buffers that hold several parameters "
+             "end to end and, under stages 1-3, cut through them; under stage 0 too)")
+    if why is not None:
+        raise ValueError(f"optimizer {name} cannot run under ZeroEngine: it {why}; {shard}, so it would compute "
+                         f"something else than unsharded. Use an elementwise optimizer (AdamW, Adam, SGD, ...).")
+    if flag is False:
+        raise ValueError(f"optimizer {name} says elementwise = False: its update needs whole tensors, and {shard}")
+    raise ValueError(f"optimizer {name} is not known to be elementwise: {shard}, which is exact only for an optimizer "
+                     f"whose update of each element reads just that element's parameter, gradient and state (and "
+                     f"per-group scalars such as lr or the step count); per-tensor norms (LAMB, LARS) or matrix "
+                     f"shapes are not. If {name} is elementwise, set the class attribute {name}.elementwise = True")
+
+
+def _resolve_param_groups(param_groups, named) -> tuple[dict, list[dict]]:
+    """(param -> group index, each group's options) from the ``param_groups`` argument."""
+    if param_groups is None:
+        return {p: 0 for _, p in named}, [{}]
+    group_of, options = {}, []
+    if callable(param_groups):
+        for n, p in named:
+            opts = param_groups(n, p)
+            opts = {} if opts is None else opts
+            if not isinstance(opts, dict) or "params" in opts:
+                raise ValueError(f"param_groups({n!r}, ...) returned {opts!r}; it must return a dict of group options "
+                                 f"(e.g. {{'weight_decay': 0.0}}) without 'params'")
+            if opts not in options:
+                options.append(opts)
+            group_of[p] = options.index(opts)
+        return group_of, [dict(o) for o in options]
+    if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)):
+        raise ValueError(f"param_groups must be a list of dicts (torch's form) or a function (name, param) -> options, "
+                         f"got {type(param_groups).__name__}")
+    name_of = {id(p): n for n, p in named}  # the trainable parameters
+    model_params = {}  # id -> the group that lists it
+    for gi, g in enumerate(param_groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(f"param_groups[{gi}] must be a dict with a 'params' entry, got {g!r:.80}")
+        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"param_groups[{gi}]['params'] holds a {type(p).__name__}; it must hold the model's parameters")
+            if id(p) in model_params:
+                raise ValueError(f"parameter {name_of.get(id(p), '?')} is in param_groups[{model_params[id(p)]}] and "
+                                 f"param_groups[{gi}]; each parameter belongs to exactly one group")
+            model_params[id(p)] = gi
+            if id(p) not in name_of and p.requires_grad:
+                raise ValueError(f"param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a trainable "
+                                 f"parameter of the model")
+        options.append({k: v for k, v in g.items() if k != "params"})
+    for n, p in named:
+        if id(p) not in model_params:
+            raise ValueError(f"parameter {n} is in no param group; list every trainable parameter in exactly one group")
+        group_of[p] = model_params[id(p)]
+    return group_of, options
+
+
+def _check_optimizer(opt, given: list[list[int]]) -> None:
+    """The factory's optimizer must be an elementwise torch optimizer over exactly the groups it was
+    given (``given``: the ids of each group's shard tensors)."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"the optimizer factory returned {type(opt).__name__}; it must return a torch.optim.Optimizer "
+                         f"built over the param groups it is given")
+    check_elementwise(opt)
+    got = [[id(t) for t in g["params"]] for g in opt.param_groups]
+    if got == given:
+        return
+    shard_ids = {i for g in given for i in g}
+    held = [i for g in got for i in g]
+    if held and not shard_ids & set(held):
+        raise ValueError(f"the optimizer from the factory holds {len(held)} tensors and none of the shard tensors it "
+                         f"was given: build it over the factory's argument (lambda groups: "
+                         f"torch.optim.AdamW(groups, ...)), not over model.parameters()")
+    raise ValueError(f"the optimizer from the factory must keep the {len(given)} param groups it is given, in order and "
+                     f"unchanged (sizes {[len(g) for g in given]}); it has {len(got)} groups of sizes "
+                     f"{[len(g) for g in got]}")
 
 
 class _Unit:
@@ -106,27 +238,46 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
 class ZeroEngine:
     """ZeRO data parallelism over ``layout`` for ``model`` (see the module docstring).
 
-    ``lr, betas, eps, weight_decay``: AdamW (decoupled weight decay on every parameter, as
-    ``torch.optim.AdamW``). ``max_grad_norm``: clip the global gradient 2-norm, each parameter
-    counted once across dp, ep and pp. ``offload``: optimizer state, master weights and the update on
-    the CPU (ZeRO-Offload); on a CPU-only machine the placement is unchanged but the separate fp32
-    master copy and the copies in and out still run. ``mixed_precision``: ``"fp32"`` everywhere or
-    ``"bf16"`` compute weights and gradients with fp32 master weights and moments (floating inputs of
-    the model are cast to bf16). ``blocks``: the submodules gathered and reduced together (default
-    ``default_blocks(model)``). ``keep_gathered_across_microbatches`` (stage 3): gather each block once
-    per optimizer step and keep it until the step, for pipeline stages that run several micro-batches
-    through the same weights. ``prefetch`` (stage 3): start the next block's gather early.
-    ``sync_module_states``: broadcast the weights from the first rank of each group at start-up.
-    ``weight_decay_filter(name, param) -> bool``: which parameters decay (default all, as
-    ``torch.optim.AdamW`` with one group); e.g. ``lambda n, p: p.dim() >= 2`` spares norm gains and biases.
-    ``lr`` may be reassigned between steps (``engine.lr = schedule(step)``).
+    ``optimizer``: a factory ``groups -> torch.optim.Optimizer`` called once with a list of param
+    groups over this rank's shard tensors (``[{"params": [1-D fp32 tensors], **options}, ...]``, one
+    per param group, in order) that must return an optimizer over exactly those groups, e.g.
+    ``lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9)``. Default:
+    ``routing_kernels.FusedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)``
+    (the Triton kernel on CUDA, its reference elsewhere); ``lr, betas, eps, weight_decay`` configure
+    that default only and are refused next to a factory (give them to it). The optimizer is
+    ``engine.optimizer``: its state is keyed by the shard tensors that ``shard_metadata()`` describes.
+
+    ``param_groups``: the torch way over the model's parameters, either a list of dicts
+    (``[{"params": decay_params, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}]``;
+    every trainable parameter in exactly one group; parameters with ``requires_grad=False`` are
+    ignored) or a function ``(name, param) -> dict of options`` (parameters with equal options share a
+    group, groups in order of first appearance). The options reach the factory's groups unchanged and
+    override the optimizer's defaults, as in torch. Default: one group of every trainable parameter.
+
+    ``max_grad_norm``: clip the global gradient 2-norm, each parameter counted once across dp, ep and
+    pp. ``offload``: optimizer state, master weights and the update on the CPU (ZeRO-Offload); on a
+    CPU-only machine the placement is unchanged but the separate fp32 master copy and the copies in
+    and out still run. ``mixed_precision``: ``"fp32"`` everywhere or ``"bf16"`` compute weights and
+    gradients with fp32 master weights and optimizer state (floating inputs of the model are cast to
+    bf16). ``blocks``: the submodules gathered and reduced together (default ``default_blocks(model)``).
+    ``keep_gathered_across_microbatches`` (stage 3): gather each block once per optimizer step and
+    keep it until the step, for pipeline stages that run several micro-batches through the same
+    weights. ``prefetch`` (stage 3): start the next block's gather early. ``sync_module_states``:
+    broadcast the weights from the first rank of each group at start-up.
+
+    ``engine.lr = x`` sets the lr of every optimizer group (reading it needs them equal); per-group
+    learning rates go through ``engine.optimizer.param_groups`` (or a ``torch.optim.lr_scheduler``
+    over ``engine.optimizer``). Every argument, the param groups and the optimizer the factory builds
+    are checked before the first collective, so a bad value stops each rank alike with a message,
+    and the model is left untouched.
     """
 
-    def __init__(self, model: nn.Module, layout: Layout | None = None, *, stage: int = 0, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 max_grad_norm: float | None = None, offload: bool = False, mixed_precision: str = "fp32",
-                 blocks: list[nn.Module] | None = None, keep_gathered_across_microbatches: bool = False,
-                 prefetch: bool = True, sync_module_states: bool = True, weight_decay_filter=None):
+    def __init__(self, model: nn.Module, layout: Layout | None = None, *, stage: int = 0, optimizer=None,
+                 param_groups=None, lr: float | None = None, betas: tuple[float, float] | None = None,
+                 eps: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None,
+                 offload: bool = False, mixed_precision: str = "fp32", blocks: list[nn.Module] | None = None,
+                 keep_gathered_across_microbatches: bool = False, prefetch: bool = True,
+                 sync_module_states: bool = True):
         # every check happens before the first collective, so a bad value stops each rank alike
         if not isinstance(model, nn.Module):
             raise ValueError(f"model={type(model).__name__} must be a torch.nn.Module")
@@ -134,6 +285,19 @@ class ZeroEngine:
             raise ValueError(f"stage={stage!r} must be one of 0, 1, 2, 3")
         if mixed_precision not in _DTYPES:
             raise ValueError(f"mixed_precision={mixed_precision!r} must be one of {tuple(_DTYPES)}")
+        adamw_kw = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items() if v is not None}
+        if optimizer is not None:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError(f"optimizer={type(optimizer).__name__}(...) is an optimizer; pass a factory instead, "
+                                 f"e.g. optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4): the engine "
+                                 f"builds it over its shard tensors, not over the model's parameters")
+            if not callable(optimizer):
+                raise ValueError(f"optimizer={optimizer!r} must be a callable mapping param groups to a torch.optim.Optimizer")
+            if adamw_kw:
+                raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in adamw_kw.items())} configure the default "
+                                 f"optimizer only; with optimizer=... give them to the factory")
+        lr, betas = adamw_kw.get("lr", 1e-3), adamw_kw.get("betas", (0.9, 0.999))
+        eps, weight_decay = adamw_kw.get("eps", 1e-8), adamw_kw.get("weight_decay", 0.0)
         if not (isinstance(lr, (int, float)) and lr >= 0):
             raise ValueError(f"lr={lr!r} must be a number >= 0")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -142,6 +306,9 @@ class ZeroEngine:
             raise ValueError(f"eps={eps!r} must be > 0")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
+        if optimizer is None:
+            kw = dict(lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps), weight_decay=float(weight_decay))
+            optimizer = lambda groups: routing_kernels.FusedAdamW(groups, **kw)  # noqa: E731
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
         if layout is not None and not isinstance(layout, Layout):
@@ -170,7 +337,7 @@ class ZeroEngine:
                 if sub is not b and sub in block_set:
                     raise ValueError(f"block {module_names[sub]!r} lies inside block {module_names[b]!r}; blocks must not nest")
 
-        decays = (lambda n, p: True) if weight_decay_filter is None else weight_decay_filter
+        group_of, group_options = _resolve_param_groups(param_groups, named)  # param -> group index; options
         ep = 1 if layout is None else layout.ep
         for n, p in named:
             mark = expert_shard(p)
@@ -180,7 +347,6 @@ class ZeroEngine:
         self.module = model
         self.layout = layout if layout is not None else Layout.single()
         self.stage = stage
-        self.lr, self.betas, self.eps, self.weight_decay = float(lr), tuple(betas), float(eps), float(weight_decay)
         self.max_grad_norm = max_grad_norm
         self.offload = offload
         self.mixed_precision = mixed_precision
@@ -206,28 +372,54 @@ class ZeroEngine:
         for n, p in named:
             per_unit[owner.get(p)].append((n, p))
         L = self.layout
-        dense_src = self._group_src(L.dp_group)
-        expert_src = self._group_src(L.edp_group)
         self.units: list[_Unit] = []
         for key in [None] + blocks:
             items = per_unit[key]
             flats = []
-            for kind, group, src in (("dense", L.dp_group, dense_src), ("expert", L.edp_group, expert_src)):
+            for kind, group in (("dense", L.dp_group), ("expert", L.edp_group)):
                 chosen = [(n, p) for n, p in items if is_expert_param(p) == (kind == "expert")]
                 if not chosen:
                     continue
-                # decayed parameters first: any shard of the flat is then one decayed range and one
-                # undecayed range, two calls of the fused update
-                chosen.sort(key=lambda np_: not decays(*np_))
+                # grouped by param group: any shard of the flat is then one contiguous range per group
+                chosen.sort(key=lambda np_: group_of[np_[1]])
                 f = FlatGroup([n for n, _ in chosen], [p for _, p in chosen], kind, group, stage=stage,
                               compute_dtype=self.compute_dtype, opt_device=self.opt_device, offload=offload)
-                f.decay_end = sum(p.numel() for n, p in chosen if decays(n, p))  # flat offset where decay stops
-                f.build(src if sync_module_states else None)
+                f.allocate()  # no values and no communication yet: the optimizer is checked first
+                bounds, off = [], 0
+                for gi in sorted({group_of[p] for _, p in chosen}):
+                    k = sum(p.numel() for _, p in chosen if group_of[p] == gi)
+                    bounds.append((gi, off, off + k))
+                    off += k
+                f.group_bounds = bounds  # (param group, flat start, flat end)
+                opt_lo = f.opt_range[0]
+                # one shard tensor per (flat, param group) range this rank's optimizer updates
+                f.shards = [(gi, a, b, f.master[a - opt_lo : b - opt_lo]) for gi, a, b in f.shard_ranges(bounds)]
                 flats.append(f)
             if flats:
                 self.units.append(_Unit("<root>" if key is None else module_names[key], key, flats))
-        self.root = next((u for u in self.units if u.is_root), None)
         self.flats = [f for u in self.units for f in u.flats]
+        self.param_group_names = [[n for n, p in named if group_of[p] == gi] for gi in range(len(group_options))]
+
+        # ----- the optimizer over the shard tensors, checked before the first collective
+        groups = [dict(options, params=[t for f in self.flats for g, _, _, t in f.shards if g == gi])
+                  for gi, options in enumerate(group_options)]
+        expected = [[id(t) for t in g["params"]] for g in groups]
+        try:
+            self.optimizer = optimizer(groups)
+        except Exception as e:  # e.g. Muon refuses 1-D tensors itself
+            raise ValueError(f"the optimizer factory failed on the engine's param groups, whose tensors are 1-D fp32 "
+                             f"shards of flat buffers ({type(e).__name__}: {e}); an optimizer that needs whole "
+                             f"parameter tensors (Muon's orthogonalised updates, Adafactor's factored moments) "
+                             f"cannot run under ZeroEngine") from e
+        _check_optimizer(self.optimizer, expected)
+        self._fused_step = bool(getattr(self.optimizer, "fuses_scale_and_copy", False))
+
+        # ----- values: broadcast from the first rank of each group, laid into the flat buffers
+        dense_src = self._group_src(L.dp_group) if sync_module_states else None
+        expert_src = self._group_src(L.edp_group) if sync_module_states else None
+        for f in self.flats:
+            f.load(dense_src if f.kind == "dense" else expert_src)
+        self.root = next((u for u in self.units if u.is_root), None)
         self._where = {}
         self._grad_hooks = []
         for u in self.units:
@@ -288,10 +480,25 @@ class ZeroEngine:
         self._unreduced = False
         self._reduced = False
 
+    @property
+    def lr(self) -> float:
+        """The learning rate of every optimizer group (an error if they differ: read
+        ``engine.optimizer.param_groups`` then)."""
+        lrs = {g["lr"] for g in self.optimizer.param_groups}
+        if len(lrs) != 1:
+            raise AttributeError(f"the optimizer's groups have different learning rates {sorted(lrs)}; "
+                                 f"read them from engine.optimizer.param_groups")
+        return next(iter(lrs))
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = value
+
     @torch.no_grad()
     def step(self) -> float:
-        """Clip, update every shard with AdamW, refresh the compute weights, drop the gradients.
-        Returns the global gradient 2-norm before clipping (each parameter counted once)."""
+        """Clip, run the optimizer on every shard tensor, refresh the compute weights, drop the
+        gradients. Returns the global gradient 2-norm before clipping (each parameter counted once)."""
         if self._backward_open:
             self._finish_backward()
         if self._unreduced:  # every backward of this step ran under no_sync: reduce now
@@ -299,39 +506,44 @@ class ZeroEngine:
         if not self._reduced:
             raise RuntimeError("step() found no gradients: run a backward pass since the last step() or zero_grad()")
         self._reduced = False
-        dp = self.layout.dp
-        grad_scale = 1.0 / dp
+        # the reduction summed over the group: 1/dp makes dense gradients the dp mean and expert
+        # gradients (summed over ep by the All-to-All and over edp here) the global-batch ones
+        grad_scale = 1.0 / self.layout.dp
         norm = self._global_grad_norm()
         if self.max_grad_norm is not None:
-            # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the update
+            # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the same factor
             grad_scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
         self.step_count += 1
-        b1, b2 = self.betas
+        copies, copy_after = {}, []
+        shards = []
         for f in self.flats:
+            if not f.shards:
+                continue
             grad = f.reduced_grad()
-            if grad.device != f.master.device:
+            if grad.device != f.master.device or grad.dtype != torch.float32:
+                # bf16 or offloaded: one fp32 copy on the optimizer's device for the whole shard
                 grad = grad.to(f.master.device, dtype=torch.float32)
-            copy = f.own_compute if f.separate_master else None
-            # offloaded to the host: update there, then one transfer instead of one per chunk
-            copy_after = copy is not None and copy.device != f.master.device
-            if copy_after:
-                copy = None
-            opt_lo, opt_hi = f.opt_range
-            cut = min(max(f.decay_end - opt_lo, 0), opt_hi - opt_lo)  # decayed part of this shard: [0, cut)
-            n = f.master.numel()
-            # on the CPU the update runs over cache-sized chunks: the reference's temporaries then
-            # stay small and in cache instead of costing fresh pages each step (~2x faster here);
-            # a GPU kernel gets each range in one launch
-            chunk = _CPU_ADAM_CHUNK if f.master.device.type == "cpu" else n
-            for lo, hi, wd in ((0, cut, self.weight_decay), (cut, n, 0.0)):
-                for a in range(lo, hi, chunk):
-                    b = min(a + chunk, hi)
-                    routing_kernels.fused_adamw(
-                        f.master[a:b], grad[a:b], f.exp_avg[a:b], f.exp_avg_sq[a:b], step=self.step_count, lr=self.lr,
-                        beta1=b1, beta2=b2, eps=self.eps, weight_decay=wd, grad_scale=grad_scale,
-                        param_copy=None if copy is None else copy[a:b])
-            if copy_after:
-                f.own_compute.copy_(f.master, non_blocking=True)
+            if not self._fused_step and grad_scale != 1.0:
+                grad.mul_(grad_scale)  # in place: the reduced gradient is consumed by this step
+            opt_lo = f.opt_range[0]
+            for _, a, b, t in f.shards:
+                t.grad = grad[a - opt_lo : b - opt_lo]
+                shards.append(t)
+            if f.separate_master:
+                if self._fused_step and f.own_compute.device == f.master.device:
+                    # the kernel writes the (bf16) compute weights in the same pass
+                    for _, a, b, t in f.shards:
+                        copies[t] = f.own_compute[a - opt_lo : b - opt_lo]
+                else:  # offloaded to the host: one transfer after the update, not one per tensor
+                    copy_after.append(f)
+        if self._fused_step:
+            self.optimizer.step(grad_scale=grad_scale, param_copies=copies)
+        else:
+            self.optimizer.step()
+        for t in shards:
+            t.grad = None
+        for f in copy_after:
+            f.own_compute.copy_(f.master, non_blocking=True)
         handles = [h for h in (f.launch_param_gather() for f in self.flats) if h is not None]
         for h in handles:
             h.wait()
@@ -344,7 +556,13 @@ class ZeroEngine:
         return norm
 
     def shard_metadata(self) -> list[dict]:
-        """What this rank's optimizer shards hold: one entry per flat group (contract 6)."""
+        """What this rank's optimizer holds: one entry per flat group (contract 6). ``params``: the
+        parameter slices of the flat's optimizer range (``shard_range`` from its start);
+        ``shard_tensors``: each tensor the optimizer holds for this flat, with ``param_group`` and
+        ``index`` (it is ``engine.optimizer.param_groups[g]["params"][j]`` for ``index == (g, j)``,
+        its state ``engine.optimizer.state[that tensor]``), its ``flat_range`` and the parameter
+        slices it holds (``shard_range`` counted from the tensor's start)."""
+        position = {id(t): (g, j) for g, group in enumerate(self.optimizer.param_groups) for j, t in enumerate(group["params"])}
         out = []
         for u in self.units:
             for f in u.flats:
@@ -353,6 +571,8 @@ class ZeroEngine:
                     "unit": u.name, "kind": f.kind, "group_size": f.world, "group_rank": f.rank,
                     "flat_numel": f.numel, "flat_padded": f.padded, "flat_range": (lo, hi),
                     "params": f.metadata(),
+                    "shard_tensors": [{"param_group": g, "index": position[id(t)], "flat_range": (a, b),
+                                       "params": f.metadata(a, b)} for g, a, b, t in f.shards],
                 })
         return out
 

@@ -12,7 +12,10 @@ Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
 - ``grad_full_P``: local gradients, summed over the micro-batches of a step (no communication in
   between); stages 2-3 free it once it has been reduce-scattered.
 - ``grad_shard_S``: the summed gradient of this rank's slice (stages 2-3).
-- ``master_S`` / ``exp_avg_S`` / ``exp_avg_sq_S``: fp32 optimizer state on the optimizer device.
+- ``master``: the fp32 master weights of this rank's optimizer range, on the optimizer device (a
+  view of the compute weights when those are fp32 on that device). The optimizer (any elementwise
+  ``torch.optim.Optimizer``, see ``ZeroEngine``) holds 1-D views of it, one per param group's range,
+  and keeps its own state (Adam's moments, SGD's momentum) for them.
 """
 from __future__ import annotations
 
@@ -81,41 +84,66 @@ class FlatGroup:
 
     # ----- set-up -------------------------------------------------------------------------------
     @torch.no_grad()
-    def build(self, sync_src_global_rank: int | None) -> None:
-        """Lay the parameters into the flat buffer, make them views of it, create the optimizer state."""
-        full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+    def allocate(self) -> None:
+        """The buffers the optimizer's shard tensors are views of (the master slice), and the compute
+        buffer they may alias; no values, no communication. ``load`` fills them. Between the two the
+        engine builds and checks the optimizer, so a bad optimizer stops before any collective and
+        leaves the model untouched. (Stages 0-2 allocate the full compute buffer here: until ``load``
+        rebinds the parameters, the engine's construction holds the weights twice.)"""
+        opt_lo, opt_hi = self.opt_range
+        # fp32 compute on the optimizer's device: the compute slice itself is the master copy
+        self.separate_master = self.compute_dtype != torch.float32 or self.offload
+        if self.sharded_params:
+            self.full_P = None  # created (and freed) by load: the weights' gather target
+            self.shard_S = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            own = self.shard_S
+        else:
+            self.full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+            self.shard_S = None
+            own = self.full_P[opt_lo:opt_hi]
+        self.own_compute = own  # the compute weights refreshed from the master after each step
+        if self.separate_master:
+            pin = self.offload and torch.cuda.is_available()
+            self.master = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
+        else:
+            self.master = own
+
+    @torch.no_grad()
+    def load(self, sync_src_global_rank: int | None) -> None:
+        """Lay the parameters' values into the buffers (broadcast from ``sync_src_global_rank`` first,
+        when given) and make the parameters views of the flat buffer."""
         master_src_P = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             master_src_P[off : off + n].copy_(p.detach().reshape(-1))
         if sync_src_global_rank is not None and self.world > 1:
             # every replica starts from the same weights, as DDP and FSDP's sync_module_states do
             dist.broadcast(master_src_P, src=sync_src_global_rank, group=self.group)
-        full_P.copy_(master_src_P)
-        self.full_P = full_P
+        if self.sharded_params:
+            self.shard_S.copy_(master_src_P[self.lo : self.hi])
+            self.full_P = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
+        else:
+            self.full_P.copy_(master_src_P)
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = full_P[off : off + n].view(shape)
-        opt_lo, opt_hi = self.opt_range
-        # fp32 compute on the optimizer's device: the compute slice itself is the master copy
-        self.separate_master = self.compute_dtype != torch.float32 or self.offload
-        if self.stage == 3 and self.world > 1:
-            self.shard_S = full_P[self.lo : self.hi].clone()
-            _free(full_P)
-            own = self.shard_S
-        else:
-            self.shard_S = None
-            own = full_P[opt_lo:opt_hi]
-        self.own_compute = own  # the compute weights the optimizer writes
+            p.data = self.full_P[off : off + n].view(shape)
+        if self.sharded_params:
+            _free(self.full_P)
         if self.separate_master:
-            pin = self.offload and torch.cuda.is_available()
-            self.master = torch.empty(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
+            opt_lo, opt_hi = self.opt_range
             self.master.copy_(master_src_P[opt_lo:opt_hi])
-        else:
-            self.master = own
-        pin = self.offload and torch.cuda.is_available()
-        self.exp_avg = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
-        self.exp_avg_sq = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
         if self.stage <= 1:  # full-size gradients live as long as the engine
             self.grad_full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+
+    def shard_ranges(self, bounds: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """``(param_group, a, b)`` for each flat range ``[a, b)`` of one param group that this rank's
+        optimizer updates, given each group's flat range ``(param_group, start, end)``; the
+        padding belongs to no group, so it stays zero whatever the optimizer does."""
+        opt_lo, opt_hi = self.opt_range
+        out = []
+        for g, start, end in bounds:
+            a, b = max(start, opt_lo), min(end, opt_hi)
+            if a < b:
+                out.append((g, a, b))
+        return out
 
     @property
     def opt_range(self) -> tuple[int, int]:
@@ -232,15 +260,18 @@ class FlatGroup:
         return None
 
     # ----- metadata -----------------------------------------------------------------------------
-    def metadata(self) -> list[ParamSlice]:
-        opt_lo, opt_hi = self.opt_range
+    def metadata(self, lo: int | None = None, hi: int | None = None) -> list[ParamSlice]:
+        """The parameter slices in the flat range ``[lo, hi)`` (default: this rank's optimizer range),
+        with ``shard_range`` counted from ``lo``."""
+        if lo is None:
+            lo, hi = self.opt_range
         out = []
         for name, p, shape, off, n in zip(self.names, self.params, self.shapes, self.offsets, self.numels):
-            a, b = max(off, opt_lo), min(off + n, opt_hi)
+            a, b = max(off, lo), min(off + n, hi)
             if a >= b:
                 continue
             mark = expert_shard(p)
             expert_offset = None if mark is None else mark.offset
             global_shape = shape if mark is None else (mark.num_experts,) + tuple(shape[1:])
-            out.append(ParamSlice(name, shape, global_shape, expert_offset, (a - off, b - off), (a - opt_lo, b - opt_lo)))
+            out.append(ParamSlice(name, shape, global_shape, expert_offset, (a - off, b - off), (a - lo, b - lo)))
         return out

@@ -110,8 +110,14 @@ def measure_memory(engine) -> dict:
         add(f.kind, "grads", f.grad_full_P)
         add(f.kind, "grads", f.grad_shard_S)
         field = "optimizer_host" if engine.offload else "optimizer"
-        for t in (f.exp_avg, f.exp_avg_sq) + ((f.master,) if f.separate_master else ()):
-            add(f.kind, field, t)
+        if f.separate_master:
+            add(f.kind, field, f.master)
+        # the optimizer's elementwise state of this flat's shard tensors (Adam's moments, SGD's
+        # momentum), created by its first step; scalars such as the step count are left out
+        for _, _, _, t in f.shards:
+            for v in engine.optimizer.state.get(t, {}).values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    add(f.kind, field, v)
     out = _totals(out)
     out["gathered"] = gathered
     return out
