@@ -237,7 +237,7 @@ OPTIMIZER_CHOICES = [
     (["optim.impl=auto"], torch.optim.AdamW, {"fused": True}),  # torch's fused kernel runs on the CPU too
     (["optim.name=adam", "optim.impl=foreach"], torch.optim.Adam, {"foreach": True, "betas": (0.9, 0.95)}),
     (["optim.name=sgd"], torch.optim.SGD, {"momentum": 0.9}),
-    (["optim.name=sgd", "++optim.momentum=0.5", "optim.impl=foreach"], torch.optim.SGD, {"momentum": 0.5, "foreach": True}),
+    (["optim.name=sgd", "optim.momentum=0.5", "optim.impl=foreach"], torch.optim.SGD, {"momentum": 0.5, "foreach": True}),
 ]
 
 
