@@ -32,8 +32,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 # Max-abs error relative to the reference's max-abs value. fp32: the layer's sums run over at
 # most a few hundred terms, each rounding at ~6e-8, so 2e-5 leaves room without hiding a wrong
 # index or weight (those give O(1) errors). bf16: every matmul output and the activation round to
-# 8 mantissa bits (~4e-3 each) and errors compound over the 3 matmuls and the combine.
-TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2}
+# 8 mantissa bits (~4e-3 each) and errors compound over the 3 matmuls and the combine. Measured
+# over 40 seeds (weights, inputs, output gradient) of every bf16 case below, fused and unfused:
+# output <= 1.6e-2, input gradient <= 1.2e-2, expert and shared-expert weight gradients <= 1.65e-2;
+# the tolerance is 2x the largest of those.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3.3e-2}
+# The router's weight gradient in bf16 is, per token, a difference of two bf16-rounded expert
+# outputs dotted with the output gradient (d weight_i / d logit_j ~ w_i w_j (y_i - y_j) . g): it
+# cancels, and with few tokens nothing averages the cancellation out. Measured <= 2.0e-2 in 439 of
+# those 440 runs, 5.6e-2 once (3 tokens, two experts of nearly equal output); 2x that maximum.
+BF16_ROUTER_GRAD_TOL = 0.11
+
+
+def tolerance(dtype, what: str) -> float:
+    if dtype == torch.bfloat16 and "router" in what:
+        return BF16_ROUTER_GRAD_TOL
+    return TOL[dtype]
 
 
 def rel_err(actual, expected):
@@ -48,8 +62,8 @@ def rel_err(actual, expected):
 
 def assert_close(actual, expected, dtype, what):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    err = rel_err(actual, expected)
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]:.1g} ({dtype})"
+    err, tol = rel_err(actual, expected), tolerance(dtype, what)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.2g} ({dtype})"
 
 
 def make(cfg: MoEConfig, dtype=torch.float32, seed=0) -> MoELayer:
