@@ -210,25 +210,35 @@ def test_lanes_match_naive(name, fused, lanes):
     assert lanes and all(n == 2 for n in lanes), f"ran in lanes {lanes}"
 
 
-def _skewed_schedule(monkeypatch, slow_thread: str, taken: dict):
-    """Lane threads whose name ends in ``slow_thread`` sleep before taking each block, so the other
-    lane takes most blocks; records which thread took which block."""
+def _forced_schedule(monkeypatch, lane_of, taken: dict):
+    """Lane threads take the queue's blocks in a fixed pattern: the n-th block handed out goes to
+    lane ``lane_of(n)``, and a lane whose block is not next waits for it; records which thread took
+    which block. (A schedule skewed by sleeping in one lane was not fixed: on a loaded machine the
+    other lane could be descheduled long enough that the sleeping one still took every block, in
+    both runs alike.) No deadlock: blocks still go out in queue order, and the earliest unfinished
+    block never waits for its turn."""
     import threading
-    import time
 
     import moe.experts
 
-    real = moe.experts._BlockQueue.take
+    # the queue's own take, also when an earlier call of this function patched it
+    real = getattr(moe.experts._BlockQueue.take, "real", moe.experts._BlockQueue.take)
 
     def take(queue):
         name = threading.current_thread().name
-        if name.endswith(slow_thread):
-            time.sleep(0.002)
-        unit = real(queue)
+        if not name.startswith("moe-lane_"):
+            return real(queue)
+        me = int(name.rsplit("_", 1)[1])
+        with queue._cond:  # a reentrant lock: real() takes it again
+            mine = lambda: queue._failed or queue._next == len(queue.units) or lane_of(queue._next) == me  # noqa: E731
+            assert queue._cond.wait_for(mine, 60), "the other lane never took its block"
+            unit = real(queue)
+            queue._cond.notify_all()
         if unit is not None:
             taken.setdefault(name, []).append(unit)
         return unit
 
+    take.real = real
     monkeypatch.setattr(moe.experts._BlockQueue, "take", take)
 
 
@@ -243,12 +253,14 @@ def test_lanes_same_bits_whatever_the_schedule(name, lanes, monkeypatch):
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     x, grad = torch.randn(shape), torch.randn(shape)
     runs, schedules = [], []
-    for slow in ("_0", "_1"):
+    # lane 0 takes the even blocks, then the odd ones (and the other lane the rest)
+    for pattern in (lambda n: n % 2, lambda n: 1 - n % 2):
         taken = {}
-        _skewed_schedule(monkeypatch, slow, taken)
+        _forced_schedule(monkeypatch, pattern, taken)
         runs.append(run_layer(layer, x, grad))
         schedules.append(sorted(taken.get("moe-lane_0", [])))
     assert schedules[0] != schedules[1], "both runs gave the lanes the same blocks: nothing was tested"
+    assert all(len(taken.get(f"moe-lane_{i}", [])) > 0 for i in (0, 1)), taken
     first, second = runs
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for n in first[2]:
