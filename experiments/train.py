@@ -184,11 +184,15 @@ def _device(cfg: DictConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layout | None = None, data: LMData | None = None) -> dict:
+def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layout | None = None, data: LMData | None = None,
+          *, keep_weights: bool = False) -> dict:
     """Train per ``cfg``; rank 0 writes ``metrics.jsonl`` and ``summary.json`` into ``run_dir`` (when
     given) and returns the summary dict (other ranks return it too, without writing). ``layout``
     and ``data`` default to what ``cfg.parallel`` and ``cfg.data`` build; a driver running many
-    configs on one corpus passes ``data`` to load it once."""
+    configs on one corpus passes ``data`` to load it once. ``keep_weights``: the returned summary
+    (not summary.json) also holds ``"weights"``, this rank's final fp32 weights by parameter name
+    (experts: the slice this rank holds); under ZeRO gathering them is a collective, so every rank
+    must pass the same value."""
     layout = layout or build_layout(cfg.parallel, cfg.moe.num_experts if cfg.model.moe_every else None)
     _check_train_cfg(cfg, layout)
     zero.check_same_on_all_ranks(OmegaConf.to_yaml(cfg, resolve=True), "config")  # before any other collective
@@ -322,6 +326,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         "time_s": wall,
         "tokens_per_s": tcfg.steps * tokens_per_step / wall,
         "overrides": hydra_job_info().get("overrides", []),
+        "layout": {"world": layout.world, "rank": layout.rank, "dp": layout.dp, "ep": layout.ep, "pp": layout.pp},
     }
     if rank0:
         tracker.finish(summary)
@@ -330,6 +335,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         print(f"done: {tcfg.steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s ({summary['tokens_per_s']:.0f} tokens/s)\n"
               f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
               f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits", flush=True)
+    if keep_weights:  # after summary.json: tensors are not JSON
+        summary["weights"] = engine.full_parameters()  # a collective: every rank calls it
     return summary
 
 

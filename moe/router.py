@@ -9,8 +9,8 @@ no expert took); every downstream op skips those.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn as nn
@@ -32,8 +32,15 @@ class Routing:
 
 
 def capacity(capacity_factor: float, top_k: int, num_tokens: int, num_experts: int) -> int:
-    """Assignments each expert accepts: ``ceil(cf * k * T / E)``."""
-    return int(math.ceil(capacity_factor * top_k * num_tokens / num_experts))
+    """Assignments each expert accepts: ``ceil(cf * k * T / E)``, computed exactly.
+
+    ``cf`` is taken as the decimal it was written as (``str(float(cf))``: the shortest decimal that
+    gives back the same float, e.g. 1.1), and the product and the ceiling are exact rational
+    arithmetic. In floats, 1.1 * 1 * 50 / 5 is 11.000000000000002 (1.1 is stored a little above
+    11/10) and the ceiling gave 12; the float's exact binary value (``Fraction(1.1)``) has the same
+    excess, so only the written decimal gives 11."""
+    q = Fraction(str(float(capacity_factor))) * top_k * num_tokens / num_experts
+    return -(-q.numerator // q.denominator)
 
 
 def capacity_keep_mask(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, cap: int, policy: str) -> torch.Tensor:

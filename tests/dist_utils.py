@@ -2,30 +2,53 @@
 
 The function must live at module level (ranks are spawned, not forked: forking a process whose
 OpenMP pool is running can deadlock). Each rank runs with one intra-op thread, so 4 ranks share the
-2 cores of the test machine fairly. A rank's exception fails the test with its traceback; a hang
-fails it after ``timeout`` seconds instead of stalling the suite.
+2 cores of the test machine fairly. A rank's exception fails the test with its traceback, a rank
+that exits without returning fails it at once, and a hang fails it after ``timeout`` seconds
+instead of stalling the suite.
+
+Rendezvous: this (the test) process serves the store on a port the OS picks and every rank joins
+it as a client, the way torchrun's agent does (``experiments.launch``): no port is chosen, closed
+and handed out for another process to take first. The ranks wait for each other on a barrier once
+their imports are done, and the process group connects under a long rendezvous timeout; only then
+does the collective timeout (``collective_timeout``, short in the timeout tests) apply, so a rank
+that starts seconds late no longer fails the others' start ("1/2 clients joined").
 """
 from __future__ import annotations
 
-import datetime
 import io
 import os
 import queue
+import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-from experiments.launch import free_port  # noqa: F401  (re-exported for the tests)
+from experiments.launch import init_process_group_on, start_rendezvous
 
 
-def _worker(rank, world, port, fn, args, results, collective_timeout):
+class RankExited:
+    """What ``run_distributed(..., allow_exit=True)`` returns for a rank that exited without returning."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+    def __repr__(self):
+        return f"RankExited(exitcode={self.exitcode})"
+
+
+def _worker(rank, world, port, fn, args, results, collective_timeout, started, init):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # torchrun's environment, agent store included: a rank function may also initialise the process
+    # group itself (init=False), e.g. through zero.init_distributed, and joins the same store
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_timeout))
+        started.wait()  # every rank has finished its imports: the rendezvous starts together
+        if init:
+            init_process_group_on(port, rank, world, "gloo", collective_timeout)
         out = fn(rank, world, *args)
         # tensors travel as bytes: a queued tensor is a shared-memory handle that dies with its rank
         buf = io.BytesIO()
@@ -43,33 +66,57 @@ def _worker(rank, world, port, fn, args, results, collective_timeout):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 240.0, collective_timeout: float = 120.0):
-    """Returns ``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``."""
+def run_distributed(fn, world: int, *args, timeout: float = 240.0, collective_timeout: float = 120.0,
+                    init: bool = True, allow_exit: bool = False):
+    """Returns ``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``.
+
+    ``init=False``: the ranks get torchrun's environment but no process group; ``fn`` creates it
+    (``collective_timeout`` then is unused). ``allow_exit=True``: a rank that exits without a
+    result gives ``RankExited(exitcode)`` instead of failing the call."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, collective_timeout), daemon=True) for r in range(world)]
+    started = ctx.Barrier(world)
+    store = start_rendezvous()  # served until the ranks are done
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, fn, args, results, collective_timeout, started, init), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
-    out, errors = {}, {}
+    out, errors, exited = {}, {}, {}
+    deadline = time.monotonic() + timeout
+    dead_since = {}
     try:
-        for _ in range(world):
+        while len(out) + len(errors) + len(exited) < world and not errors:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=0.2)
             except queue.Empty:
-                raise TimeoutError(f"{world - len(out) - len(errors)} of {world} ranks did not finish within {timeout}s")
+                now = time.monotonic()
+                for r, p in enumerate(procs):
+                    if r in out or r in errors or r in exited or p.exitcode is None:
+                        continue
+                    # a rank's result is flushed to the queue before its process ends; give the
+                    # pipe a moment before calling a finished rank's result lost
+                    if now - dead_since.setdefault(r, now) > 3.0:
+                        if not allow_exit:
+                            raise RuntimeError(f"rank {r} exited with code {p.exitcode} without returning a result "
+                                               f"(results so far from ranks {sorted(out)})")
+                        exited[r] = RankExited(p.exitcode)
+                if now > deadline:
+                    missing = world - len(out) - len(errors) - len(exited)
+                    raise TimeoutError(f"{missing} of {world} ranks did not finish within {timeout}s")
+                continue
             if status == "ok":
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors[rank] = value
-            if errors:
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
+                p.join()
+        del store
     if errors:
         rank = min(errors)
         raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+    out.update(exited)
     return [out[r] for r in range(world)]

@@ -159,16 +159,30 @@ def config_mismatch_fn(rank, world):
     return None
 
 
-def dead_rank_fn(rank, world):
+def dead_rank_fn(rank, world, how: str, timeout_s: float):
+    """Rank 1 fails mid-run while rank 0 waits in a collective, under the project's own collective
+    timeout: the process group comes from ``zero.init_distributed(timeout_s=...)`` (what
+    ``parallel.timeout_s`` sets in the trainer). ``how``: ``"dies"`` (the process exits, as a crash
+    or an OOM kill does) or ``"stalls"`` (alive, never joins: only the timeout can end the wait).
+    Returns rank 0's error and how long it waited."""
+    import os
     import time
 
-    if rank == 1:
-        time.sleep(4)  # never joins the collective in time
-        return "slept"
+    from zero import init_distributed
+
+    assert init_distributed(timeout_s=timeout_s)
     t = torch.ones(1)
-    start = time.time()
+    dist.all_reduce(t)  # both ranks connected and working: what follows happens mid-run
+    assert t.item() == world
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 is inside the next all_reduce by now (if not, it fails on entering)
+        if how == "dies":
+            os._exit(1)
+        time.sleep(timeout_s + 2)  # past rank 0's timeout
+        return "stalled"
+    start = time.monotonic()
     try:
         dist.all_reduce(t)
-    except Exception as e:  # gloo raises RuntimeError on timeout
-        return f"error after {time.time() - start:.1f}s: {type(e).__name__}"
-    return "no error"
+    except Exception as e:  # gloo raises RuntimeError
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+    return {"error": None, "after_s": time.monotonic() - start}

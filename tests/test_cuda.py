@@ -2,6 +2,12 @@
 a Transformer's training steps and ZeroEngine on a GPU. Skipped where no GPU is visible (CI here);
 run them on a GPU box with ``python -m pytest -q tests/test_cuda.py`` (no hydra or wandb needed).
 
+Compiled kernels: Triton decides at decoration time whether a kernel runs in its interpreter, and
+``tests/test_kernels.py`` imports the kernels under ``TRITON_INTERPRET=1`` (pytest imports every test
+module before it runs any). In such a session (``make test``) this module's tests skip in-process
+and ``test_in_fresh_process`` runs them in a new interpreter without ``TRITON_INTERPRET``;
+``test_triton_kernels_are_compiled`` checks there that a launch produced a GPU binary.
+
 Tolerances. Row moves (metadata, permute forward) are exact. fp32 on the GPU runs without TF32 (torch's
 default for matmuls), so GPU and CPU differ only by summation order: ~1e-6 relative per op, and
 2e-5 relative / 2e-5 absolute hold for values of size ~1 after a few ops. bf16 results are compared
@@ -10,6 +16,10 @@ with an fp64 run on the same inputs, within a few bf16 ulps (2^-8 relative each)
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +29,74 @@ from moe import MoEConfig, MoELayer
 from moe.experts import GroupedExperts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_CHILD = "SWITCHYARD_CUDA_TESTS_CHILD"  # set in the fresh process test_in_fresh_process starts
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def _kernels_interpreted_here() -> bool:
+    """Would a Triton kernel launched in this process run in the interpreter?"""
+    if _interpret_requested():
+        return True
+    ops = sys.modules.get("routing_kernels.triton_ops")
+    if ops is not None and ops.INTERPRETED:
+        return True
+    # triton imported under the interpreter: its own library functions (tl.sum, ...) are interpreted
+    standard = sys.modules.get("triton.language.standard")
+    return standard is not None and type(getattr(standard, "sum", None)).__name__ == "InterpretedFunction"
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels(request):
+    if request.node.originalname != "test_in_fresh_process" and _kernels_interpreted_here():
+        if os.environ.get(_CHILD):
+            pytest.fail("the Triton kernels are interpreted even in the fresh process")
+        pytest.skip("Triton kernels run interpreted in this process (tests/test_kernels.py imported them under "
+                    "TRITON_INTERPRET=1); test_in_fresh_process runs this module with compiled kernels")
+    yield
+
+
+def test_in_fresh_process():
+    if not _kernels_interpreted_here():
+        pytest.skip("the kernels are compiled in this process: this module's tests ran here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env[_CHILD] = "1"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+                            capture_output=True, text=True, cwd=root, env=env)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    # every test ran there (this one skips, finding compiled kernels)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and re.search(r"\b1 skipped", summary), summary
+
+
+def _compiled_kernels_of(jit_fn) -> list:
+    """The compiled kernels a Triton JITFunction holds after its launches (Triton 3: per device,
+    ``device_caches[device][0]`` maps each specialisation to a CompiledKernel; older: ``cache``)."""
+    found = []
+    for entry in getattr(jit_fn, "device_caches", {}).values():
+        found += list((entry[0] if isinstance(entry, tuple) else entry).values())
+    for per_device in getattr(jit_fn, "cache", {}).values():
+        found += list(per_device.values())
+    return [k for k in found if getattr(k, "asm", None)]
+
+
+def test_triton_kernels_are_compiled():
+    from routing_kernels import triton_ops
+
+    assert not _interpret_requested() and not triton_ops.INTERPRETED
+    assert type(triton_ops._permute_kernel).__name__ == "JITFunction"
+    ids = torch.argsort(torch.rand(64, 8, device="cuda"), dim=1)[:, :2]
+    x = torch.randn(64, 32, device="cuda")
+    with rk.use_backend("triton"):
+        counts, _, dest = rk.routing_metadata(ids, 8)
+        rk.permute(x, dest, int(counts.sum()))
+    torch.cuda.synchronize()
+    kernels = _compiled_kernels_of(triton_ops._permute_kernel)
+    assert kernels, "the launch left no compiled kernel"
+    assert all("cubin" in k.asm or "hsaco" in k.asm for k in kernels), [sorted(k.asm) for k in kernels]
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 BF16 = dict(rtol=3e-2, atol=3e-2)

@@ -8,12 +8,13 @@ gradients.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 
 from moe import MoEConfig, MoELayer
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankExited, run_distributed
 from tests.ep_cases import (
     TinyMoENet,
     copy_full_into_sharded,
@@ -179,10 +180,28 @@ def check_training(results, c, steps, global_bs, max_norm):
     assert ref_losses[-1] < ref_losses[0]
 
 
-def test_dead_rank_ends_collective_with_error():
-    out = run_distributed(dead_rank_fn, 2, collective_timeout=1.5)
-    assert out[0].startswith("error after"), out[0]
-    assert out[1] == "slept"
+DEAD_RANK_TIMEOUT_S = 5.0  # the collective timeout under test: seconds, well above a loaded machine's scheduling delays
+
+
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+def test_dead_rank_ends_collective_with_error(how):
+    # run_distributed returns only once every rank has returned or exited: had the project's path
+    # not ended rank 0's wait, its own timeout (120 s, far above what is asserted) would have
+    # raised TimeoutError instead
+    out = run_distributed(dead_rank_fn, 2, how, DEAD_RANK_TIMEOUT_S, init=False, allow_exit=True, timeout=120)
+    survivor = out[0]
+    assert survivor["error"] is not None, f"rank 0's collective returned although rank 1 {how}"
+    if how == "dies":
+        assert isinstance(out[1], RankExited) and out[1].exitcode == 1, out[1]
+        # gloo sees the closed connection: the error names the dead peer, before the timeout
+        assert re.search(r"closed by peer|Connection reset|remote worker crash", survivor["error"]), survivor["error"]
+        assert survivor["after_s"] < DEAD_RANK_TIMEOUT_S, survivor
+    else:
+        assert out[1] == "stalled"
+        # only the project's collective timeout can end this wait, and it does, on time (the upper
+        # bound leaves a loaded machine seconds to schedule the waiting thread)
+        assert re.search(r"[Tt]imed out|[Tt]imeout", survivor["error"]), survivor["error"]
+        assert 0.9 * DEAD_RANK_TIMEOUT_S <= survivor["after_s"] < 30, survivor
 
 
 def test_unsharded_copy_helper_is_identity_for_one_process():

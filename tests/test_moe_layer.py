@@ -39,8 +39,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 # Max-abs error relative to the reference's max-abs value. fp32: the layer's sums run over at
 # most a few hundred terms, each rounding at ~6e-8, so 2e-5 leaves room without hiding a wrong
 # index or weight (those give O(1) errors). bf16: every matmul output and the activation round to
-# 8 mantissa bits (~4e-3 each) and errors compound over the 3 matmuls and the combine.
-TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2}
+# 8 mantissa bits (~4e-3 each) and errors compound over the 3 matmuls and the combine. Measured
+# over 40 seeds (weights, inputs, output gradient) of every bf16 case below, fused and unfused:
+# output <= 1.6e-2, input gradient <= 1.2e-2, expert and shared-expert weight gradients <= 1.65e-2;
+# the tolerance is 2x the largest of those.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3.3e-2}
+# The router's weight gradient in bf16 is, per token, a difference of two bf16-rounded expert
+# outputs dotted with the output gradient (d weight_i / d logit_j ~ w_i w_j (y_i - y_j) . g): it
+# cancels, and with few tokens nothing averages the cancellation out. Measured <= 2.0e-2 in 439 of
+# those 440 runs, 5.6e-2 once (3 tokens, two experts of nearly equal output); 2x that maximum.
+BF16_ROUTER_GRAD_TOL = 0.11
+
+
+def tolerance(dtype, what: str) -> float:
+    if dtype == torch.bfloat16 and "router" in what:
+        return BF16_ROUTER_GRAD_TOL
+    return TOL[dtype]
 
 
 def rel_err(actual, expected):
@@ -55,8 +69,8 @@ def rel_err(actual, expected):
 
 def assert_close(actual, expected, dtype, what):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    err = rel_err(actual, expected)
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]:.1g} ({dtype})"
+    err, tol = rel_err(actual, expected), tolerance(dtype, what)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.2g} ({dtype})"
 
 
 def make(cfg: MoEConfig, dtype=torch.float32, seed=0) -> MoELayer:
@@ -199,23 +213,33 @@ def test_lanes_match_naive(name, lanes):
     assert lanes and all(n == 2 for n in lanes), f"ran in lanes {lanes}"
 
 
-def _skewed_schedule(monkeypatch, slow_thread: str, taken: dict):
-    """Lane threads whose name ends in ``slow_thread`` sleep before taking each block, so the other
-    lane takes most blocks; records which thread took which block."""
+def _forced_schedule(monkeypatch, lane_of, taken: dict):
+    """Lane threads take the queue's blocks in a fixed pattern: the n-th block handed out goes to
+    lane ``lane_of(n)``, and a lane whose block is not next waits for it; records which thread took
+    which block. (A schedule skewed by sleeping in one lane was not fixed: on a loaded machine the
+    other lane could be descheduled long enough that the sleeping one still took every block, in
+    both runs alike.) No deadlock: blocks still go out in queue order, and the earliest unfinished
+    block never waits for its turn."""
     import threading
-    import time
 
-    real = cpu_experts._BlockQueue.take
+    # the queue's own take, also when an earlier call of this function patched it
+    real = getattr(cpu_experts._BlockQueue.take, "real", cpu_experts._BlockQueue.take)
 
     def take(queue):
         name = threading.current_thread().name
-        if name.endswith(slow_thread):
-            time.sleep(0.002)
-        unit = real(queue)
+        if not name.startswith("moe-lane_"):
+            return real(queue)
+        me = int(name.rsplit("_", 1)[1])
+        with queue._cond:  # a reentrant lock: real() takes it again
+            mine = lambda: queue._failed or queue._next == len(queue.units) or lane_of(queue._next) == me  # noqa: E731
+            assert queue._cond.wait_for(mine, 60), "the other lane never took its block"
+            unit = real(queue)
+            queue._cond.notify_all()
         if unit is not None:
             taken.setdefault(name, []).append(unit)
         return unit
 
+    take.real = real
     monkeypatch.setattr(cpu_experts._BlockQueue, "take", take)
 
 
@@ -228,12 +252,14 @@ def test_lanes_same_bits_whatever_the_schedule(name, lanes, monkeypatch):
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     x, grad = torch.randn(shape), torch.randn(shape)
     runs, schedules = [], []
-    for slow in ("_0", "_1"):
+    # lane 0 takes the even blocks, then the odd ones (and the other lane the rest)
+    for pattern in (lambda n: n % 2, lambda n: 1 - n % 2):
         taken = {}
-        _skewed_schedule(monkeypatch, slow, taken)
+        _forced_schedule(monkeypatch, pattern, taken)
         runs.append(run_layer(layer, x, grad))
         schedules.append(sorted(taken.get("moe-lane_0", [])))
     assert schedules[0] != schedules[1], "both runs gave the lanes the same blocks: nothing was tested"
+    assert all(len(taken.get(f"moe-lane_{i}", [])) > 0 for i in (0, 1)), taken
     first, second = runs
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for n in first[2]:

@@ -4,7 +4,6 @@ Shapes follow the project's legend (docs/design.md).
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -86,6 +85,17 @@ def test_bf16_input_routes_in_fp32():
     torch.testing.assert_close(r.logits_TE, x.float() @ router.weight.float().t())
 
 
-@pytest.mark.parametrize("cf,k,T,E", [(1.0, 2, 10, 4), (1.25, 1, 7, 3), (0.1, 6, 8192, 64), (2.0, 2, 1, 8)])
-def test_capacity_formula(cf, k, T, E):
-    assert capacity(cf, k, T, E) == math.ceil(cf * k * T / E)
+@pytest.mark.parametrize("cf,k,T,E,want", [
+    (1.0, 2, 10, 4, 5),  # 20 / 4 = 5 exactly: no rounding up
+    (1.25, 1, 7, 3, 3),  # 8.75 / 3 = 2.92
+    (0.1, 6, 8192, 64, 77),  # 4915.2 / 64 = 76.8
+    (2.0, 2, 1, 8, 1),  # 0.5: an expert takes at least one assignment
+    (1.0, 2, 0, 4, 0),  # no tokens, no capacity
+    # whole numbers that the float product overshoots (1.1 * 50 / 5 = 11.000000000000002)
+    (1.1, 1, 50, 5, 11),
+    (0.1, 6, 50, 5, 6),  # float: 6.000000000000001
+    (0.1, 6, 100, 4, 15),  # float: 15.000000000000002
+    (2, 1, 9, 3, 6),  # an int capacity factor
+])
+def test_capacity_by_hand(cf, k, T, E, want):
+    assert capacity(cf, k, T, E) == want

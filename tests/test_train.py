@@ -1,10 +1,10 @@
 """The training entry point: every config composes and trains, determinism, metrics, layouts, errors."""
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ import routing_kernels
 import zero
 from experiments.data import load_stdlib
 from experiments.train import build_engine, build_model, lr_at, train
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -41,9 +41,13 @@ def cfg_of(*overrides):
         return compose("train", overrides=list(overrides))
 
 
-def run(cfg, tmp_path, stdlib, name="run"):
+def run(cfg, tmp_path, stdlib, name="run", **kw):
     data = stdlib if cfg.data.source == "stdlib" else None
-    return train(cfg, run_dir=tmp_path / name, data=data)
+    return train(cfg, run_dir=tmp_path / name, data=data, **kw)
+
+
+def metrics_rows(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def _token_folder(tmp_path):
@@ -89,6 +93,9 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
         overrides += [f"data.path={_token_folder(tmp_path)}", "data.vocab_size=300"]
     if group == "logger" and choice == "wandb":
         monkeypatch.setenv("WANDB_SILENT", "true")
+        # a service this test starts and owns (an inherited WANDB_SERVICE would point wandb at
+        # another process's service, which teardown() neither stops nor waits for)
+        monkeypatch.delenv("WANDB_SERVICE", raising=False)
         overrides.append("logger.mode=offline")  # no network, no account
     cfg = cfg_of(*overrides)
     if group == "parallel" and cfg.parallel.ep > 1:
@@ -96,21 +103,49 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
         with pytest.raises(ValueError, match=f"ep={cfg.parallel.ep} does not divide dp=1"):
             run(cfg, tmp_path, stdlib)
         return
-    summary = run(cfg, tmp_path, stdlib)
+    if group == "logger" and choice == "wandb":
+        import wandb
+
+        try:
+            summary = run(cfg, tmp_path, stdlib)
+        finally:
+            # train() finished the run, but finish() returns while wandb's service process may still
+            # be writing the run's file (seen: 1 run in 3 under load read only its 7-byte header).
+            # teardown() tells the service to shut down and waits for its process to exit: after
+            # it, everything is on disk, and no service outlives the test
+            wandb.teardown()
+        assert not _wandb_services(), "a wandb service process is still running after teardown()"
+    else:
+        summary = run(cfg, tmp_path, stdlib)
     assert math.isfinite(summary["final_val_loss"]) and len(summary["train_losses"]) == 2
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     if group == "logger" and choice == "wandb":
         runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
         records, = runs[0].glob("run-*.wandb")  # an offline run, ready for `wandb sync`
-        # protobuf records: keys and config strings appear verbatim. wandb's service process writes
-        # the file and may still be flushing it when finish() returns (seen: 1 run in 3 under load
-        # read only the 7-byte header), so wait for the last record to land, up to 30 s
-        deadline = time.monotonic() + 30
-        while b"tokens_per_s" not in (blob := records.read_bytes()) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        blob = records.read_bytes()  # protobuf records: keys and config strings appear verbatim
         assert b"expert_load/layer0" in blob and b"val_loss" in blob and b"tokens_per_s" in blob
         assert b'"d_model"' in blob and b"${" not in blob, "the config is logged resolved"
+
+
+def _wandb_services() -> list[int]:
+    """Live wandb service processes started by this process (the service is its child)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return []  # no procfs: nothing to look at
+    me, found = os.getpid(), []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (d / "cmdline").read_bytes()
+        except OSError:  # exited meanwhile
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == me and state != "Z" and b"wandb" in cmdline:
+            found.append(int(d.name))
+    return found
 
 
 def test_moe_vs_dense_pairs_equal_active_params(tmp_path, stdlib):
@@ -158,58 +193,138 @@ def test_same_config_same_curve(tmp_path, stdlib):
     assert c["train_losses"] != a["train_losses"]
 
 
+# Comparing two trainings of the same model on the same global batch (fp32): every step's loss and
+# gradient norm, and the final weights. The losses alone hide a wrong gradient scale: AdamW divides
+# it out and clipping rescales it, so a run whose reduced gradients are all 4x too large logs the
+# same losses; its gradient norm is 4x, and its weights move differently wherever eps matters.
+# The runs differ only in summation order (micro-batches, all-reduce, per-rank matmul blocks):
+# ~1e-7 relative per operation, compounded over a forward, a backward and 3 AdamW steps. Measured
+# over the accumulation run and the 8 layouts below: losses <= 1.8e-7 relative, gradient norms
+# <= 1.9e-7 relative, weights <= 1.7e-6 absolute. Tolerances are ~10x that:
+LOSS_RTOL = GNORM_RTOL = 2e-6  # a wrongly scaled gradient moves the norm by O(1)
+# Weights: AdamW's update g / (|g| + eps) turns a rounding difference dg of a gradient entry near
+# eps = 1e-8 into lr * dg / eps (lr 3e-3, dg ~ 1e-11: a few 1e-6), whatever the weight's size, so
+# the tolerance is absolute. 1e-5 is still 300x below one step's lr: an update that goes another
+# way (a wrong gradient, a different eps regime) shows as ~1e-3.
+WEIGHT_ATOL = 1e-5
+
+
+def check_same_training(got, got_rows, ref, ref_rows, what):
+    np.testing.assert_allclose(got["train_losses"], ref["train_losses"], rtol=LOSS_RTOL, err_msg=f"{what}: losses")
+    assert [r["step"] for r in got_rows] == [r["step"] for r in ref_rows] == list(range(1, len(ref_rows) + 1)), what
+    np.testing.assert_allclose([r["grad_norm"] for r in got_rows], [r["grad_norm"] for r in ref_rows], rtol=GNORM_RTOL,
+                               err_msg=f"{what}: gradient norms")
+    assert set(got["weights"]) == set(ref["weights"]), what
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m: f"{what}: final {name}: {m}")
+    # and the runs trained: equal weights after 3 steps would also hold for two frozen models
+    assert ref["train_losses"][-1] < ref["train_losses"][0], what
+
+
 def test_grad_accum_trains_the_same_batch(tmp_path, stdlib):
     # the balancing losses are batch statistics (not sums over tokens), so they are off here: with
     # them, micro-batches balance each micro-batch, a (documented) difference from one big batch
     base = [*SHORT, "train.steps=3", "train.log_every=1", "moe.aux_loss_coef=0", "moe.z_loss_coef=0"]
-    one = run(cfg_of(*base), tmp_path, stdlib, "one")
-    four = run(cfg_of(*base, "train.grad_accum=4"), tmp_path, stdlib, "four")
-    np.testing.assert_allclose(four["train_losses"], one["train_losses"], rtol=1e-5)  # fp32, summation order only
+    one = run(cfg_of(*base), tmp_path, stdlib, "one", keep_weights=True)
+    four = run(cfg_of(*base, "train.grad_accum=4"), tmp_path, stdlib, "four", keep_weights=True)
+    check_same_training(four, metrics_rows(tmp_path / "four"), one, metrics_rows(tmp_path / "one"), "grad_accum=4")
 
 
-def _layout_losses(rank, world, runs):
+def _layout_runs(rank, world, runs, run_dirs):
+    """Each run's summary with this rank's final weights, and the training rows this rank drew at step 0."""
+    from experiments.data import LMData
+
     torch.set_num_threads(1)
-    return [train(cfg_of(*overrides))["train_losses"] for overrides in runs]
+    drawn = []
+    get_batch = LMData.get_batch
+
+    def spy(self, split, step, *args, **kw):
+        x, y = get_batch(self, split, step, *args, **kw)
+        if split == "train" and step == 0:
+            drawn.append(x.clone())
+        return x, y
+
+    LMData.get_batch = spy  # this rank's process only
+    out = []
+    for overrides, run_dir in zip(runs, run_dirs):
+        drawn.clear()
+        summary = train(cfg_of(*overrides), run_dir=run_dir, keep_weights=True)
+        summary["rows_step0"] = torch.cat(drawn)
+        out.append(summary)
+    return out
 
 
-# every layout trains the same model on the same global batch, so it logs the single-process curve
+# every layout trains the same model on the same global batch, so it logs the single-process curve;
+# (ep, overrides)
 LAYOUTS_2 = [
-    [],  # plain data parallel
-    ["parallel=ep2"],
-    ["parallel=ep2", "parallel.zero_stage=1", "train.grad_clip=0.05"],
-    ["parallel=ep2", "parallel.zero_stage=2", "parallel.zero_offload=true"],
-    ["parallel=ep2", "parallel.zero_stage=3", "optim.impl=switchyard"],
+    (1, []),  # plain data parallel
+    (2, ["parallel=ep2"]),
+    (2, ["parallel=ep2", "parallel.zero_stage=1", "train.grad_clip=0.05"]),
+    (2, ["parallel=ep2", "parallel.zero_stage=2", "parallel.zero_offload=true"]),
+    (2, ["parallel=ep2", "parallel.zero_stage=3", "optim.impl=switchyard"]),
 ]
-LAYOUTS_4 = [["parallel=ep2"], ["parallel=zero3_ep2"], ["parallel=ep4", "parallel.zero_stage=2"]]
+LAYOUTS_4 = [(2, ["parallel=ep2"]), (2, ["parallel=zero3_ep2"]), (4, ["parallel=ep4", "parallel.zero_stage=2"])]
+LAYOUT_BASE = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
 
 
-def _check_layouts(per_rank, layouts, tmp_path, stdlib, base):
-    for i, extra in enumerate(layouts):
-        single_overrides = [o for o in extra if not o.startswith("parallel")] + base
-        single = run(cfg_of(*single_overrides), tmp_path, stdlib, f"single{i}")["train_losses"]
-        assert all(r[i] == per_rank[0][i] for r in per_rank), "the logged loss is the dp mean"
-        # same global batch, same initial model, gradients reduced to the single-process ones; only
-        # the reduction order differs (fp32, ~1e-6 per step, 3 steps of Adam)
-        np.testing.assert_allclose(per_rank[0][i], single, rtol=2e-5, err_msg=f"layout {extra}")
+def assemble_weights(per_rank: list[dict], ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole model from the ranks' weights: an expert weight is the concatenation of the slices
+    of one ep group (ep_rank order); every other rank holds a replica, which must be identical."""
+    ep = per_rank[0]["layout"]["ep"]
+    full = {}
+    for name, want in ref.items():
+        by_ep_rank = {}
+        for s in per_rank:
+            w = s["weights"][name]
+            ep_rank = s["layout"]["rank"] % ep
+            first = by_ep_rank.setdefault(ep_rank, w)
+            # replicas updated from the same reduced gradients by the same arithmetic: bit for bit
+            assert torch.equal(w, first), f"{name}: rank {s['layout']['rank']} differs from its replica"
+        if by_ep_rank[0].shape == want.shape:
+            assert all(torch.equal(w, by_ep_rank[0]) for w in by_ep_rank.values()), f"{name} differs between ep ranks"
+            full[name] = by_ep_rank[0]
+        else:  # an expert weight: this ep rank's slice of dimension 0
+            assert ep > 1 and by_ep_rank[0].shape[0] * ep == want.shape[0], (name, by_ep_rank[0].shape, want.shape)
+            full[name] = torch.cat([by_ep_rank[r] for r in range(ep)])
+    return full
+
+
+def _check_layouts(per_rank, layouts, tmp_path, stdlib, world):
+    for i, (ep, extra) in enumerate(layouts):
+        runs = [r[i] for r in per_rank]
+        # the run was distributed as asked: every rank in the layout, each with its own rows
+        assert [s["layout"] for s in runs] == [{"world": world, "rank": r, "dp": world, "ep": ep, "pp": 1} for r in range(world)], extra
+        single_overrides = [o for o in extra if not o.startswith("parallel")] + LAYOUT_BASE
+        single = run(cfg_of(*single_overrides), tmp_path, stdlib, f"single{i}", keep_weights=True)
+        full_batch = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)[0]
+        assert torch.equal(torch.cat([s["rows_step0"] for s in runs]), full_batch), f"{extra}: the ranks' rows are not the global batch"
+        assert all(len(s["rows_step0"]) == 8 // world for s in runs), extra
+        assert all(r["train_losses"] == runs[0]["train_losses"] for r in runs), "the logged loss is the dp mean"
+        got = dict(runs[0], weights=assemble_weights(runs, single["weights"]))
+        check_same_training(got, metrics_rows(tmp_path / f"dist{i}"), single, metrics_rows(tmp_path / f"single{i}"), f"layout {extra}")
 
 
 def test_two_ranks_train_like_one_process_on_every_layout(tmp_path, stdlib):
-    base = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
-    per_rank = run_distributed(_layout_losses, 2, [extra + base for extra in LAYOUTS_2], timeout=400)
-    _check_layouts(per_rank, LAYOUTS_2, tmp_path, stdlib, base)
+    runs = [extra + LAYOUT_BASE for _, extra in LAYOUTS_2]
+    per_rank = run_distributed(_layout_runs, 2, runs, [tmp_path / f"dist{i}" for i in range(len(runs))], timeout=400)
+    _check_layouts(per_rank, LAYOUTS_2, tmp_path, stdlib, 2)
 
 
 def test_four_ranks_ep_inside_dp_and_zero3_train_like_one_process(tmp_path, stdlib):
-    base = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
-    per_rank = run_distributed(_layout_losses, 4, [extra + base for extra in LAYOUTS_4], timeout=400)
-    _check_layouts(per_rank, LAYOUTS_4, tmp_path, stdlib, base)
+    runs = [extra + LAYOUT_BASE for _, extra in LAYOUTS_4]
+    per_rank = run_distributed(_layout_runs, 4, runs, [tmp_path / f"dist{i}" for i in range(len(runs))], timeout=400)
+    _check_layouts(per_rank, LAYOUTS_4, tmp_path, stdlib, 4)
 
 
-def test_torchrun_launch(tmp_path):
-    # the documented launch: torchrun, gloo on the CPU, only rank 0 writes metrics
+def test_torchrun_launch(tmp_path, stdlib):
+    # the documented launch: torchrun, gloo on the CPU, only rank 0 writes metrics. --standalone:
+    # torchrun's agent serves the rendezvous on a port the OS gives it and the ranks join that (a
+    # port picked here, closed and passed as --master_port could be taken by another process
+    # before torchrun bound it). The stdlib fixture builds the data cache first, so the two ranks
+    # do not both read the standard library on a fresh machine.
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     run_dir = tmp_path / "tr"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "experiments.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "experiments.train",
            "parallel=zero3_ep2", "experiment=smoke", *TINY, f"hydra.run.dir={run_dir}"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -313,7 +428,7 @@ def test_wandb_sweep_drives_the_same_entry_point():
             assert OmegaConf.select(cfg, k) == v["values"][-1]
 
 
-def test_cli_multirun(tmp_path):
+def test_cli_multirun(tmp_path, stdlib):  # stdlib: the data cache exists before the jobs start
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "experiments.train", "-m", "experiment=smoke", "moe.num_experts=2,4", *TINY, f"hydra.sweep.dir={sweep_dir}"]
