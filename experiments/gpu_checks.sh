@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # Every check and benchmark that needs a GPU, in one run (a lent GPU is billed by the minute):
 #   bash experiments/gpu_checks.sh OUT_DIR
+#   CHECKS="tests layer" bash experiments/gpu_checks.sh OUT_DIR     # a subset: tests layer kernels
 # Needs torch, triton, einops and pytest only (no hydra, no wandb); runs from the repository root.
 # Each stage has its own time limit, so one that hangs cannot take the others' results with it.
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR}
+checks=${CHECKS:-tests layer kernels}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 { nvidia-smi -L; $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/env.log"
-echo "== CUDA tests"; timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
-echo "== MoE layer vs dense FFN"; timeout 120 $py -m experiments.bench_moe_layer --device cuda --grouped-mm --reps 10 2>&1 | tee "$out/bench_moe_layer_gpu.log"
-echo "== routing kernels and fused AdamW"; timeout 240 $py -m experiments.bench_kernels --no-sweep --json "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.log"
+case " $checks " in *" tests "*)
+  # compiled Triton kernels (no TRITON_INTERPRET here), the expert backends on the GPU, ZeRO on CUDA
+  echo "== CUDA tests"; timeout 300 $py -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log";;
+esac
+case " $checks " in *" layer "*)
+  echo "== MoE layer vs dense FFN"; timeout 180 $py -m experiments.bench_moe_layer --device cuda --grouped-mm --reps 10 2>&1 | tee "$out/bench_moe_layer_gpu.log";;
+esac
+case " $checks " in *" kernels "*)
+  echo "== routing kernels and fused AdamW"; timeout 240 $py -m experiments.bench_kernels --no-sweep --json "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.log";;
+esac

@@ -291,17 +291,29 @@ def test_transformer_training_on_gpu_matches_cpu():
     assert lg[-1] < lg[0]
 
 
-@pytest.mark.parametrize("stage,offload,mp", [(3, False, "fp32"), (2, True, "fp32"), (3, False, "bf16")])
-def test_zero_engine_on_gpu_matches_adamw(stage, offload, mp):
+# the engine's optimizer over its shard tensors, and the same optimizer on the unsharded model
+_GPU_OPTIMIZERS = {
+    "default": (None, lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)),  # FusedAdamW: Triton
+    "torch_fused_adamw": (lambda g: torch.optim.AdamW(g, lr=3e-3, weight_decay=0.0, fused=True),
+                          lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, fused=True)),
+    "sgd_momentum": (lambda g: torch.optim.SGD(g, lr=3e-2, momentum=0.9), lambda params: torch.optim.SGD(params, lr=3e-2, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("opt", list(_GPU_OPTIMIZERS))
+@pytest.mark.parametrize("stage,offload,mp", [(0, False, "fp32"), (3, False, "fp32"), (2, True, "fp32"), (3, False, "bf16")])
+def test_zero_engine_on_gpu_matches_the_same_optimizer(stage, offload, mp, opt):
     # one process: no collective runs, but every buffer, gather/free, offload copy and the update
     # run on CUDA tensors; the multi-rank paths are the gloo tests' (tests/test_zero.py)
     from zero import ZeroEngine
 
+    factory, reference = _GPU_OPTIMIZERS[opt]
     ref = _tiny_transformer().cuda()
     model = copy.deepcopy(ref)
-    engine = ZeroEngine(model, stage=stage, lr=3e-3, weight_decay=0.0, offload=offload, mixed_precision=mp)
+    kw = dict(lr=3e-3, weight_decay=0.0) if factory is None else dict(optimizer=factory)
+    engine = ZeroEngine(model, stage=stage, offload=offload, mixed_precision=mp, **kw)
 
-    losses_ref = _train(ref, 4, "cuda", lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.0))
+    losses_ref = _train(ref, 4, "cuda", lambda m: reference(m.parameters()))
     gen = torch.Generator().manual_seed(1)
     batch = torch.randint(0, 97, (4, 33), generator=gen).cuda()
     losses = []
