@@ -143,14 +143,19 @@ def expert_ffn(x_SD: torch.Tensor, counts: list[int], w1_XDF: torch.Tensor, w3_X
                w2_XFD: torch.Tensor) -> torch.Tensor:
     """Each expert's FFN over its contiguous segment of rows (``counts[e]`` rows for expert e), one
     expert at a time, differentiated by autograd: SwiGLU ``(silu(x w1) * (x w3)) w2``, or GELU
-    ``gelu(x w1) w2`` when ``w3`` is None."""
-    out, start = [], 0
-    for e, n in enumerate(counts):
-        x = x_SD[start : start + n]
-        h = x @ w1_XDF[e]
-        act = nnf.silu(h) * (x @ w3_XDF[e]) if w3_XDF is not None else nnf.gelu(h)
-        out.append(act @ w2_XFD[e])
-        start += n
+    ``gelu(x w1) w2`` when ``w3`` is None.
+
+    The segments and experts are taken with ``split`` and ``unbind``, whose backward assembles all
+    pieces in one pass; indexing ``x[a:b]`` and ``w1[e]`` instead would give every expert a
+    full-size zero gradient to add into (measured on an H200 at 64 experts: 5x slower).
+    """
+    xs = x_SD.split(list(counts))
+    w3s = w3_XDF.unbind(0) if w3_XDF is not None else [None] * len(counts)
+    out = []
+    for x, w1, w3, w2 in zip(xs, w1_XDF.unbind(0), w3s, w2_XFD.unbind(0)):
+        h = x @ w1
+        act = nnf.silu(h) * (x @ w3) if w3 is not None else nnf.gelu(h)
+        out.append(act @ w2)
     if not out:
         return x_SD.new_zeros(0, w2_XFD.shape[2])
     return torch.cat(out)
