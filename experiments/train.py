@@ -46,7 +46,7 @@ def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
     if pcfg.pp != 1:
         raise ValueError(f"parallel.pp={pcfg.pp} is not available yet: pipeline parallelism is not implemented, use pp=1")
     if zero.init_distributed(timeout_s=float(pcfg.timeout_s)):
-        return zero.Layout.build(ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts)
+        return zero.Layout.build(ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts, timeout_s=float(pcfg.timeout_s))
     zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep), num_experts)  # names the numbers when ep > 1 on one process
     return zero.Layout.single()
 

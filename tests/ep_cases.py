@@ -159,20 +159,23 @@ def config_mismatch_fn(rank, world):
     return None
 
 
-def dead_rank_fn(rank, world, how: str, timeout_s: float):
+def dead_rank_fn(rank, world, how: str, timeout_s: float, group_kind: str = "world"):
     """Rank 1 fails mid-run while rank 0 waits in a collective, under the project's own collective
     timeout: the process group comes from ``zero.init_distributed(timeout_s=...)`` (what
     ``parallel.timeout_s`` sets in the trainer). ``how``: ``"dies"`` (the process exits, as a crash
     or an OOM kill does) or ``"stalls"`` (alive, never joins: only the timeout can end the wait).
+    ``group_kind``: the collective runs on the default group (``"world"``) or on the expert-parallel
+    group ``zero.Layout.build`` creates (``"ep"``), which must carry the same timeout.
     Returns rank 0's error and how long it waited."""
     import os
     import time
 
-    from zero import init_distributed
+    from zero import Layout, init_distributed
 
     assert init_distributed(timeout_s=timeout_s)
+    group = None if group_kind == "world" else Layout.build(ep=world).ep_group
     t = torch.ones(1)
-    dist.all_reduce(t)  # both ranks connected and working: what follows happens mid-run
+    dist.all_reduce(t, group=group)  # both ranks connected and working: what follows happens mid-run
     assert t.item() == world
     if rank == 1:
         time.sleep(0.5)  # rank 0 is inside the next all_reduce by now (if not, it fails on entering)
@@ -182,7 +185,7 @@ def dead_rank_fn(rank, world, how: str, timeout_s: float):
         return "stalled"
     start = time.monotonic()
     try:
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     except Exception as e:  # gloo raises RuntimeError
         return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
     return {"error": None, "after_s": time.monotonic() - start}

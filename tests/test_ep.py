@@ -183,12 +183,13 @@ def check_training(results, c, steps, global_bs, max_norm):
 DEAD_RANK_TIMEOUT_S = 5.0  # the collective timeout under test: seconds, well above a loaded machine's scheduling delays
 
 
-@pytest.mark.parametrize("how", ["dies", "stalls"])
-def test_dead_rank_ends_collective_with_error(how):
+@pytest.mark.parametrize("how,group_kind", [("dies", "world"), ("stalls", "world"), ("stalls", "ep")])
+def test_dead_rank_ends_collective_with_error(how, group_kind):
     # run_distributed returns only once every rank has returned or exited: had the project's path
     # not ended rank 0's wait, its own timeout (120 s, far above what is asserted) would have
-    # raised TimeoutError instead
-    out = run_distributed(dead_rank_fn, 2, how, DEAD_RANK_TIMEOUT_S, init=False, allow_exit=True, timeout=120)
+    # raised TimeoutError instead. "ep": a group Layout.build made (torch's default for a new group
+    # would be 30 minutes)
+    out = run_distributed(dead_rank_fn, 2, how, DEAD_RANK_TIMEOUT_S, group_kind, init=False, allow_exit=True, timeout=120)
     survivor = out[0]
     assert survivor["error"] is not None, f"rank 0's collective returned although rank 1 {how}"
     if how == "dies":

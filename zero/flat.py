@@ -1,17 +1,18 @@
 """Flat parameter groups: parameters laid end to end in one buffer, padded, and this rank's shard.
 
-Legend: N real elements of the group, W ranks in its sharding group (``dp`` for dense parameters,
-``edp`` for expert parameters), P = N rounded up to a multiple of W, S = P / W elements per shard.
-Rank w owns the flat slice ``[w * S, (w + 1) * S)``; the padding is zero in weights, gradients and
+Shapes follow the project's legend (docs/design.md): N real elements of the group, W ranks in its
+sharding group (``dp`` for dense parameters, ``edp`` for expert parameters), P = N rounded up to a
+multiple of W, C = P / W elements of each rank's chunk. Rank w owns the flat slice
+``[w * C, (w + 1) * C)``; the padding is zero in weights, gradients and
 moments, so it never changes a norm or an update.
 
 Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
 - ``full_P``: the compute weights (compute dtype); every parameter's ``.data`` is a view into it.
   Under stage 3 its storage is resized to zero between uses and refilled by an all-gather.
-- ``shard_S``: stage 3's own slice of the compute weights, kept between uses.
+- ``shard_C``: stage 3's own slice of the compute weights, kept between uses.
 - ``grad_full_P``: local gradients, summed over the micro-batches of a step (no communication in
   between); stages 2-3 free it once it has been reduce-scattered.
-- ``grad_shard_S``: the summed gradient of this rank's slice (stages 2-3).
+- ``grad_shard_C``: the summed gradient of this rank's slice (stages 2-3).
 - ``master``: the fp32 master weights of this rank's optimizer range, on the optimizer device (a
   view of the compute weights when those are fp32 on that device). The optimizer (any elementwise
   ``torch.optim.Optimizer``, see ``ZeroEngine``) holds 1-D views of it, one per param group's range,
@@ -37,7 +38,8 @@ def _is_allocated(t: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class ParamSlice:
-    """Which part of one parameter a rank's shard holds (ARCHITECTURE.md contract 6).
+    """Which part of one parameter a rank's shard holds, so a shard written under one layout can be
+    placed under another.
 
     ``shape`` is the tensor this process holds; ``global_shape`` the parameter of the whole model
     (for experts, dimension 0 runs over all E experts and this process holds
@@ -79,7 +81,7 @@ class FlatGroup:
         self.offload = offload
         self.written = [False] * len(self.params)  # which gradient slices hold this step's values
         self.grad_full_P: torch.Tensor | None = None
-        self.grad_shard_S: torch.Tensor | None = None
+        self.grad_shard_C: torch.Tensor | None = None
         self.gather_handle = None
 
     # ----- set-up -------------------------------------------------------------------------------
@@ -95,11 +97,11 @@ class FlatGroup:
         self.separate_master = self.compute_dtype != torch.float32 or self.offload
         if self.sharded_params:
             self.full_P = None  # created (and freed) by load: the weights' gather target
-            self.shard_S = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
-            own = self.shard_S
+            self.shard_C = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            own = self.shard_C
         else:
             self.full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
-            self.shard_S = None
+            self.shard_C = None
             own = self.full_P[opt_lo:opt_hi]
         self.own_compute = own  # the compute weights refreshed from the master after each step
         if self.separate_master:
@@ -119,7 +121,7 @@ class FlatGroup:
             # every replica starts from the same weights, as DDP and FSDP's sync_module_states do
             dist.broadcast(master_src_P, src=sync_src_global_rank, group=self.group)
         if self.sharded_params:
-            self.shard_S.copy_(master_src_P[self.lo : self.hi])
+            self.shard_C.copy_(master_src_P[self.lo : self.hi])
             self.full_P = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
         else:
             self.full_P.copy_(master_src_P)
@@ -162,7 +164,7 @@ class FlatGroup:
         if self.is_gathered() or self.gather_handle is not None:
             return
         self.full_P.untyped_storage().resize_(self.padded * self.full_P.element_size())
-        self.gather_handle = all_gather_into(self.full_P, self.shard_S, self.group, async_op=True)
+        self.gather_handle = all_gather_into(self.full_P, self.shard_C, self.group, async_op=True)
 
     def wait_gather(self) -> None:
         if self.gather_handle is None:
@@ -215,9 +217,9 @@ class FlatGroup:
             # in place into this rank's slice of the full buffer (NCCL's documented in-place form,
             # recvbuff = sendbuff + rank * count; gloo copies its input first): no second buffer
             return reduce_scatter_into(self.grad_full_P[self.lo : self.hi], self.grad_full_P, self.group, async_op=True)
-        if self.grad_shard_S is None:
-            self.grad_shard_S = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        return reduce_scatter_into(self.grad_shard_S, self.grad_full_P, self.group, async_op=True)
+        if self.grad_shard_C is None:
+            self.grad_shard_C = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        return reduce_scatter_into(self.grad_shard_C, self.grad_full_P, self.group, async_op=True)
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
@@ -225,7 +227,7 @@ class FlatGroup:
         if self.stage >= 1 and self.world == 1:
             # nothing to scatter: the whole local buffer is this rank's shard
             if self.stage >= 2:
-                self.grad_shard_S = self.grad_full_P
+                self.grad_shard_C = self.grad_full_P
                 self.grad_full_P = None
         elif self.stage >= 2:
             self.grad_full_P = None
@@ -237,7 +239,7 @@ class FlatGroup:
             return self.grad_full_P
         if self.stage == 1:
             return self.grad_full_P[self.lo : self.hi] if self.world > 1 else self.grad_full_P
-        return self.grad_shard_S
+        return self.grad_shard_C
 
     def norm_slice(self) -> torch.Tensor:
         """This rank's disjoint part of the reduced gradient, for a norm that counts each element once."""

@@ -76,34 +76,47 @@ class Layout:
         return cls()
 
     @classmethod
-    def build(cls, *, ep: int = 1, pp: int = 1, num_experts: int | None = None) -> "Layout":
-        """Create every group from the initialised default process group (all ranks must call)."""
+    def build(cls, *, ep: int = 1, pp: int = 1, num_experts: int | None = None, timeout_s: float | None = None) -> "Layout":
+        """Create every group from the initialised default process group (all ranks must call).
+
+        Each group's collectives fail after ``timeout_s`` seconds (default: the collective timeout
+        ``init_distributed`` was given, else torch's default): a new group does not inherit the
+        default group's timeout, so without this a rank that dies in an expert-parallel exchange
+        would leave its peers waiting torch's 30 minutes."""
         if not dist.is_initialized():
             validate_layout(1, pp, ep, num_experts)
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
         dp = validate_layout(world, pp, ep, num_experts)
+        timeout_s = _collective_timeout_s if timeout_s is None else timeout_s
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+        def new_group(ranks):
+            return dist.new_group(ranks, timeout=timeout)
+
         layout = cls(world=world, rank=rank, pp=pp, dp=dp, ep=ep)
         # every rank creates every group, in the same order (a torch.distributed requirement)
         for stage in range(pp):
             base = stage * dp
             ranks = list(range(base, base + dp))
-            g = dist.new_group(ranks) if dp > 1 else None
+            g = new_group(ranks) if dp > 1 else None
             if stage == layout.pp_rank:
                 layout.dp_group = g
             for start in range(0, dp, ep):
                 ranks = list(range(base + start, base + start + ep))
-                g = dist.new_group(ranks) if ep > 1 else None
+                g = new_group(ranks) if ep > 1 else None
                 if rank in ranks:
                     layout.ep_group = g
             for offset in range(ep):
                 ranks = list(range(base + offset, base + dp, ep))
-                g = dist.new_group(ranks) if dp // ep > 1 else None
+                g = new_group(ranks) if dp // ep > 1 else None
                 if rank in ranks:
                     layout.edp_group = g
         for d in range(dp):
             ranks = list(range(d, world, dp))
-            g = dist.new_group(ranks) if pp > 1 else None
+            g = new_group(ranks) if pp > 1 else None
             if rank in ranks:
                 layout.pp_group = g
         return layout
@@ -112,21 +125,37 @@ class Layout:
         return f"world={self.world} pp={self.pp} dp={self.dp} ep={self.ep} edp={self.edp} rank={self.rank} (pp_rank={self.pp_rank} dp_rank={self.dp_rank} ep_rank={self.ep_rank} edp_rank={self.edp_rank})"
 
 
-def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> bool:
+_collective_timeout_s: float | None = None  # what init_distributed was given; Layout.build's default
+
+
+def init_distributed(timeout_s: float = 300.0, backend: str | None = None, rendezvous_timeout_s: float = 900.0) -> bool:
     """Initialise torch.distributed from torchrun's environment; False when not launched by it.
 
-    NCCL when CUDA is available, gloo otherwise. Every collective then fails after ``timeout_s``
-    instead of hanging on a dead rank.
+    NCCL when CUDA is available, gloo otherwise. The ranks meet under ``rendezvous_timeout_s`` (a
+    rank that starts late on a loaded machine or a slow filesystem is no error), then every
+    collective of the default group, and of the groups ``Layout.build`` creates, fails after
+    ``timeout_s`` instead of hanging on a dead rank.
     """
+    global _collective_timeout_s
     if dist.is_initialized():
         return True
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # torch's own way to change a group's timeout after its rendezvous (torchelastic uses it); a
+    # torch without it rendezvouses under the collective timeout
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    rendezvous = max(rendezvous_timeout_s, timeout_s) if set_timeout is not None else timeout_s
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=rendezvous))
+    if set_timeout is not None and rendezvous != timeout_s:
+        dist.barrier()  # every rank has joined: from here on a wait means a dead or stuck rank
+        set_timeout(datetime.timedelta(seconds=timeout_s), None)
+    _collective_timeout_s = float(timeout_s)
     return True
 
 

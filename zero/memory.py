@@ -103,12 +103,12 @@ def measure_memory(engine) -> dict:
 
     for f in engine.flats:
         if f.sharded_params:
-            add(f.kind, "params", f.shard_S)
+            add(f.kind, "params", f.shard_C)
             gathered += _nbytes(f.full_P)
         else:
             add(f.kind, "params", f.full_P)
         add(f.kind, "grads", f.grad_full_P)
-        add(f.kind, "grads", f.grad_shard_S)
+        add(f.kind, "grads", f.grad_shard_C)
         field = "optimizer_host" if engine.offload else "optimizer"
         if f.separate_master:
             add(f.kind, field, f.master)
