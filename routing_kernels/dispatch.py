@@ -22,56 +22,57 @@ import torch
 
 from . import cpu_experts, grouped_gemm, reference
 
-_VALID = ("auto", "triton", "reference")
-_backend = os.environ.get("SWITCHYARD_KERNELS", "auto")
-if _backend not in _VALID:
-    raise ValueError(f"SWITCHYARD_KERNELS={_backend!r} is not one of {_VALID}")
-_EXPERT_BACKENDS = ("auto", "grouped_mm", "cpu_blocks", "loop")
-_expert_backend = os.environ.get("SWITCHYARD_EXPERTS", "auto")
-if _expert_backend not in _EXPERT_BACKENDS:
-    raise ValueError(f"SWITCHYARD_EXPERTS={_expert_backend!r} is not one of {_EXPERT_BACKENDS}")
+class _Choice:
+    """A process-wide choice among ``valid`` names: from the environment variable ``env`` at import,
+    then ``set`` / ``use`` (a context manager) in code and tests."""
+
+    def __init__(self, env: str, valid: tuple[str, ...], what: str):
+        self.valid, self.what = valid, what
+        self.value = os.environ.get(env, "auto")
+        if self.value not in valid:
+            raise ValueError(f"{env}={self.value!r} is not one of {valid}")
+
+    def set(self, name: str) -> None:
+        if name not in self.valid:
+            raise ValueError(f"{self.what} {name!r} is not one of {self.valid}")
+        self.value = name
+
+    @contextlib.contextmanager
+    def use(self, name: str):
+        previous = self.value
+        self.set(name)
+        try:
+            yield
+        finally:
+            self.value = previous
+
+
+_kernels = _Choice("SWITCHYARD_KERNELS", ("auto", "triton", "reference"), "kernel backend")
+_experts = _Choice("SWITCHYARD_EXPERTS", ("auto", "grouped_mm", "cpu_blocks", "loop"), "expert backend")
 
 
 def get_backend() -> str:
-    return _backend
+    return _kernels.value
 
 
 def set_backend(name: str) -> None:
-    global _backend
-    if name not in _VALID:
-        raise ValueError(f"kernel backend {name!r} is not one of {_VALID}")
-    _backend = name
+    _kernels.set(name)
 
 
-@contextlib.contextmanager
 def use_backend(name: str):
-    previous = get_backend()
-    set_backend(name)
-    try:
-        yield
-    finally:
-        set_backend(previous)
+    return _kernels.use(name)
 
 
 def get_expert_backend() -> str:
-    return _expert_backend
+    return _experts.value
 
 
 def set_expert_backend(name: str) -> None:
-    global _expert_backend
-    if name not in _EXPERT_BACKENDS:
-        raise ValueError(f"expert backend {name!r} is not one of {_EXPERT_BACKENDS}")
-    _expert_backend = name
+    _experts.set(name)
 
 
-@contextlib.contextmanager
 def use_expert_backend(name: str):
-    previous = get_expert_backend()
-    set_expert_backend(name)
-    try:
-        yield
-    finally:
-        set_expert_backend(previous)
+    return _experts.use(name)
 
 
 def triton_available() -> bool:
@@ -83,9 +84,9 @@ def triton_available() -> bool:
 
 
 def _use_triton(t) -> bool:
-    if _backend == "reference":
+    if _kernels.value == "reference":
         return False
-    if _backend == "triton":
+    if _kernels.value == "triton":
         return True
     return t.is_cuda and triton_available()
 
@@ -119,9 +120,9 @@ def fused_adamw(param, grad, exp_avg, exp_avg_sq, **kwargs):
 
 def expert_backend(x: torch.Tensor, w1_XDF: torch.Tensor, w3_XDF: torch.Tensor | None, w2_XFD: torch.Tensor) -> str:
     """The backend ``expert_ffn`` runs for these operands (rows in expert order ``x``)."""
-    choice = _expert_backend
+    choice = _experts.value
     if choice == "auto":
-        if _backend == "reference":
+        if _kernels.value == "reference":
             choice = "loop"
         elif x.device.type == "cpu":
             choice = "cpu_blocks"
@@ -155,7 +156,7 @@ def expert_ffn(x, counts: list[int], w1_XDF, w3_XDF, w2_XFD, dest_TK=None, weigh
     backend = expert_backend(x, w1_XDF, w3_XDF, w2_XFD)
     if dest_TK is None:
         return _EXPERT_IMPLS[backend](x, counts, w1_XDF, w3_XDF, w2_XFD)
-    if backend == "cpu_blocks" and _backend != "triton":
+    if backend == "cpu_blocks" and _kernels.value != "triton":
         return cpu_experts.routed_expert_ffn(x, dest_TK, weights_TK, counts, w1_XDF, w3_XDF, w2_XFD)
     x_SD = permute(x, dest_TK, sum(counts))
     y_SD = _EXPERT_IMPLS[expert_backend(x_SD, w1_XDF, w3_XDF, w2_XFD)](x_SD, counts, w1_XDF, w3_XDF, w2_XFD)

@@ -137,4 +137,4 @@ def test_dispatch_picks_and_refuses():
     with pytest.raises(ValueError, match="x has 6 rows but the counts sum to 5"):
         with rk.use_expert_backend("cpu_blocks"):
             rk.expert_ffn(x, [2, 3], w1, w3, w2)
-    assert set(dispatch._EXPERT_IMPLS) == set(dispatch._EXPERT_BACKENDS) - {"auto"}
+    assert set(dispatch._EXPERT_IMPLS) == set(dispatch._experts.valid) - {"auto"}
