@@ -39,6 +39,8 @@ class MoEConfig:
 
     num_shared_experts: int = 0  # experts every token passes through (DeepSeekMoE / Qwen-MoE)
     shared_d_ff: int | None = None  # hidden size of the shared expert block (default d_ff * n)
+    # scale the shared experts' output per token by sigmoid(x @ w_gate), w_gate [1, D] (Qwen2-MoE)
+    shared_expert_gate: bool = False
 
     def __post_init__(self):
         def bad(name, value, valid):
@@ -86,6 +88,8 @@ class MoEConfig:
             bad("num_shared_experts", self.num_shared_experts, "expected an integer >= 0")
         if self.shared_d_ff is not None and self.shared_d_ff < 1:
             bad("shared_d_ff", self.shared_d_ff, "expected a positive integer or None")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            bad("shared_expert_gate", True, "a shared-expert gate needs num_shared_experts >= 1")
         if self.router == "expert_choice" and self.expert_bias:
             bad("expert_bias", True, "aux-loss-free bias applies to token_choice routing")
 

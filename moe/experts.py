@@ -48,6 +48,8 @@ class GroupedExperts(nn.Module):
         # own generator, seeded from ONE draw of the global RNG: expert e gets the same weights
         # whichever process holds it, and the global RNG advances the same on every layout, so every
         # module initialised after this one is identical too (same model on any ep).
+        if self.w1.is_meta:  # built to receive existing weights (moe.hf.patch): nothing to draw
+            return
         base = int(torch.randint(0, 2**62, (1,)).item())
         d_model, d_ff = self.w1.shape[1], self.w1.shape[2]
         for j, (w, fan_in) in enumerate(((self.w1, d_model), (self.w3, d_model), (self.w2, d_ff))):

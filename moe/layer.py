@@ -90,6 +90,11 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if cfg.num_shared_experts:
             self.shared_experts = DenseFFN(cfg.d_model, cfg.shared_d_ff or cfg.d_ff * cfg.num_shared_experts, cfg.activation)
+        # per-token gate of the shared experts' output, sigmoid(x @ w_gate) (cfg.shared_expert_gate)
+        self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
+        # optional module called with the router logits [T, E] on every forward (its output is
+        # ignored): a place for forward hooks that record them (e.g. moe.hf's router-logits tap)
+        self.router_logits_tap: nn.Module | None = None
         self.dispatcher = AllToAllDispatcher(ep_group) if ep > 1 else LocalDispatcher()
         # multiplies the aux-loss gradient: set to 1/N when the training loss is divided by N
         # (gradient accumulation), see moe.scale_aux_losses
@@ -108,8 +113,13 @@ class MoELayer(nn.Module):
         # the single-process one on every layout
         routing = self.router(x_TD, self.dp_group if self.dp_group is not None else self.ep_group)
         out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts)
+        if self.router_logits_tap is not None:
+            self.router_logits_tap(routing.logits_TE)
         if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+            shared_TD = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
 
         z_loss = router_z_loss(routing.logits_TE)  # one logsumexp serves the loss and its statistic
         E = cfg.num_experts

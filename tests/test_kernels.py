@@ -369,11 +369,11 @@ def test_fused_adamw_optimizer_bf16_params_keep_fp32_master():
 
 
 def test_imports_stay_light():
-    # moe, zero and routing_kernels must import on a box without hydra/wandb, and triton must stay
+    # moe, zero and routing_kernels must import on a box without hydra/wandb/transformers, and triton must stay
     # lazy until a Triton path runs
     code = (
         "import sys, moe, zero, routing_kernels; "
-        "bad = [m for m in ('triton', 'hydra', 'omegaconf', 'wandb') if m in sys.modules]; "
+        "bad = [m for m in ('triton', 'hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors') if m in sys.modules]; "
         "assert not bad, bad"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

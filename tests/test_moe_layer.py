@@ -778,3 +778,17 @@ def test_lanes_share_many_threads(lanes, monkeypatch):
     for threads, expected in ((16, 8), (12, 6), (9, 3), (7, 7)):
         torch.set_num_threads(threads)
         assert cpu_experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == expected, threads
+
+
+def test_shared_expert_gate_scales_the_shared_output():
+    # out = routed + sigmoid(x @ w_gate) * shared(x); a gate needs a shared expert
+    torch.manual_seed(0)
+    cfg = MoEConfig(d_model=8, d_ff=12, num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True,
+                    aux_loss_coef=0.0, z_loss_coef=0.0)
+    layer = MoELayer(cfg)
+    x = torch.randn(5, 8)
+    routed = layer.dispatcher(x, *(lambda r: (r.expert_ids_TK, r.weights_TK))(layer.router(x)), layer.experts)
+    want = routed + torch.sigmoid(x @ layer.shared_expert_gate.weight.t()) * layer.shared_experts(x)
+    torch.testing.assert_close(layer(x), want)
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        MoEConfig(d_model=8, d_ff=12, shared_expert_gate=True)

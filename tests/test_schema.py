@@ -165,10 +165,10 @@ def test_added_key_is_rejected_before_training():
 
 
 def test_moe_zero_kernels_import_without_hydra():
-    # hydra, omegaconf and wandb made unimportable: the library packages must not need them
+    # hydra, omegaconf, wandb and transformers made unimportable: the library packages must not need them
     code = (
         "import sys\n"
-        "for m in ('hydra', 'omegaconf', 'wandb'): sys.modules[m] = None\n"
+        "for m in ('hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors'): sys.modules[m] = None\n"
         "import moe, moe.model, zero, routing_kernels\n"
         "moe.MoEConfig(d_model=8, d_ff=16)\n"
     )

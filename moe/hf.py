@@ -1,0 +1,230 @@
+"""Hugging Face interop: ``patch(model)`` swaps a transformers model's sparse-MoE blocks for ``MoELayer``.
+
+Needs the optional extra (``pip install -e .[hf]``); ``import moe`` never imports this module.
+
+Supported blocks (transformers 5.x layouts), with the routing each maps to:
+
+| model_type | block | routing | shared expert |
+|---|---|---|---|
+| ``mixtral`` | ``MixtralSparseMoeBlock`` | softmax over E, top-k, renormalised | none |
+| ``qwen2_moe`` | ``Qwen2MoeSparseMoeBlock`` | softmax over E, top-k, renormalised iff ``norm_topk_prob`` | one, gated by ``sigmoid(x @ shared_expert_gate)`` |
+| ``qwen3_moe`` | ``Qwen3MoeSparseMoeBlock`` | softmax over E, top-k, renormalised iff ``norm_topk_prob`` | none |
+| ``olmoe`` | ``OlmoeSparseMoeBlock`` | softmax over E, top-k, renormalised iff ``norm_topk_prob`` | none |
+| ``deepseek_v3`` | ``DeepseekV3MoE`` | sigmoid scores, ``e_score_correction_bias`` added for selection only (the expert bias), group-limited top-k (``n_group``/``topk_group``), renormalised iff ``norm_topk_prob``, times ``routed_scaling_factor`` | ``n_shared_experts`` fused into one ungated MLP |
+
+Weights: the patched layer holds the stock tensors' storage, never a copy.
+
+- ``router.weight`` IS the stock ``gate.weight`` Parameter (same ``[E, D]`` layout).
+- ``experts.w1``/``w3`` ``[E, D, F]`` are Parameters viewing the two halves of the stock fused
+  ``experts.gate_up_proj [E, 2F, D]`` (``[:, :F]`` gate, ``[:, F:]`` up, transposed);
+  ``experts.w2 [E, F, D]`` views ``experts.down_proj [E, D, F]`` transposed. The views share storage
+  (an update to one is an update to the other) but are new leaf Parameters, so their gradients
+  are in ``w1.grad``/``w3.grad``/``w2.grad``, in the patched layout, and they are not contiguous.
+- The shared expert's ``gate_proj``/``up_proj``/``down_proj`` Linear modules become the
+  ``DenseFFN``'s ``w1``/``w3``/``w2`` as they are, and ``shared_expert_gate`` becomes the layer's
+  ``shared_expert_gate`` (same Parameters).
+- DeepSeek-V3's ``e_score_correction_bias`` buffer becomes the router's ``expert_bias`` buffer
+  (the same tensor).
+
+The layer's own auxiliary losses are switched off (``aux_loss_coef = z_loss_coef = 0``): the
+transformers model computes its balancing loss from the router logits, which the patched layer
+still hands to the model's output recorder (``output_router_logits=True`` keeps returning them and
+the model's ``aux_loss`` keeps its value and gradient). Router logits are recorded in fp32 (the stock
+routers return them in the input's dtype; the same values in fp32).
+
+Refused with a ValueError naming the field: an unknown ``model_type``, an activation other than
+silu (``hidden_act``), router jitter (``router_jitter_noise`` > 0), a model whose config names a
+supported type but holds no MoE block of the expected class.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .config import MoEConfig
+from .experts import DenseFFN
+from .layer import MoELayer
+
+# model_type -> (block class name, router class name)
+_BLOCKS = {
+    "mixtral": ("MixtralSparseMoeBlock", "MixtralTopKRouter"),
+    "qwen2_moe": ("Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter"),
+    "qwen3_moe": ("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter"),
+    "olmoe": ("OlmoeSparseMoeBlock", "OlmoeTopKRouter"),
+    "deepseek_v3": ("DeepseekV3MoE", "DeepseekV3TopkRouter"),
+}
+SUPPORTED_MODEL_TYPES = tuple(_BLOCKS)
+_SILU = ("silu", "swish")
+
+
+class _RouterLogitsTap(nn.Module):
+    """Identity on the router logits, returned as ``(logits, None, None)`` like the stock router's
+    ``(logits, weights, indices)``.
+
+    ``patch`` gives each layer an instance of a subclass that also derives from the stock router
+    class, so transformers' output recorder (which hooks modules by ``isinstance`` of the router
+    class) records the patched layer's logits where it recorded the stock router's."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+
+    def forward(self, logits_TE):
+        return (logits_TE, None, None)
+
+
+_TAP_CLASSES: dict[type, type] = {}
+
+
+def _tap_class(router_cls: type) -> type:
+    if router_cls not in _TAP_CLASSES:
+        _TAP_CLASSES[router_cls] = type(f"{router_cls.__name__}LogitsTap", (_RouterLogitsTap, router_cls),
+                                        {"__init__": _RouterLogitsTap.__init__, "forward": _RouterLogitsTap.forward})
+    return _TAP_CLASSES[router_cls]
+
+
+def _require(cond: bool, field: str, value, why: str) -> None:
+    if not cond:
+        raise ValueError(f"moe.hf.patch: config.{field}={value!r} is not supported: {why}")
+
+
+def _model_config(model):
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise ValueError("moe.hf.patch: the model has no .config (expected a transformers PreTrainedModel)")
+    return cfg
+
+
+def _moe_config(model_type: str, hf_cfg, block) -> MoEConfig:
+    gate, experts = block.gate, block.experts
+    if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        raise ValueError(f"moe.hf.patch: {type(block).__name__}.experts has no fused gate_up_proj tensor "
+                         "(transformers < 5 stores experts as modules; install transformers>=5)")
+    E, D = gate.weight.shape
+    F = experts.down_proj.shape[2]
+    kw = dict(d_model=D, d_ff=F, num_experts=E, top_k=int(gate.top_k), activation="swiglu",
+              capacity_factor=None, aux_loss_coef=0.0, z_loss_coef=0.0, seq_aux_loss_coef=0.0)
+    if model_type == "mixtral":
+        kw.update(normalize_topk=True)
+    elif model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        kw.update(normalize_topk=bool(gate.norm_topk_prob))
+    elif model_type == "deepseek_v3":
+        kw.update(score_func="sigmoid", normalize_topk=bool(gate.norm_topk_prob),
+                  route_scale=float(gate.routed_scaling_factor), expert_bias=True)
+        G, TG = int(gate.num_group), int(gate.topk_group)
+        _require(E % G == 0 and E // G >= 2, "n_group", G, f"needs groups of >= 2 experts dividing n_routed_experts={E}")
+        if G > 1 or TG < G:
+            kw.update(num_groups=G, topk_groups=TG)
+    if model_type == "qwen2_moe":
+        kw.update(num_shared_experts=1, shared_d_ff=block.shared_expert.down_proj.in_features, shared_expert_gate=True)
+    elif model_type == "deepseek_v3":
+        kw.update(num_shared_experts=1, shared_d_ff=block.shared_experts.down_proj.in_features)
+    return MoEConfig(**kw)
+
+
+def _check_config(model_type: str, hf_cfg) -> None:
+    act = getattr(hf_cfg, "hidden_act", None)
+    _require(act in _SILU, "hidden_act", act, "MoELayer's experts are SwiGLU (silu gate)")
+    jitter = getattr(hf_cfg, "router_jitter_noise", 0.0) or 0.0
+    _require(jitter == 0, "router_jitter_noise", jitter, "MoELayer's router has no input jitter")
+    if model_type == "deepseek_v3":
+        topk_method = getattr(hf_cfg, "topk_method", "noaux_tc")
+        _require(topk_method in (None, "noaux_tc"), "topk_method", topk_method, "only DeepSeek-V3's noaux_tc router is implemented")
+
+
+def _view_param(t: torch.Tensor) -> nn.Parameter:
+    # a new leaf sharing t's storage (t.detach() is a view of the same memory)
+    return nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+
+
+def _dense_from_mlp(mlp, d_model: int, d_ff: int) -> DenseFFN:
+    ffn = DenseFFN.__new__(DenseFFN)
+    nn.Module.__init__(ffn)
+    ffn.activation = "swiglu"
+    ffn.w1, ffn.w3, ffn.w2 = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    return ffn
+
+
+def _convert_block(model_type: str, hf_cfg, block, tap_cls, ep_group, dp_group) -> MoELayer:
+    cfg = _moe_config(model_type, hf_cfg, block)
+    if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
+        raise NotImplementedError("moe.hf.patch: expert parallelism (ep_group of size > 1) is not implemented yet")
+    device = block.gate.weight.device
+    with torch.device("meta"):
+        layer = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)
+    F = cfg.d_ff
+    gate_up = block.experts.gate_up_proj  # [E, 2F, D]
+    layer.router.weight = block.gate.weight
+    ex = layer.experts
+    ex.w1 = _view_param(gate_up[:, :F, :].transpose(1, 2))
+    ex.w3 = _view_param(gate_up[:, F:, :].transpose(1, 2))
+    ex.w2 = _view_param(block.experts.down_proj.transpose(1, 2))
+    from routing_kernels.runtime import mark_expert_params
+    mark_expert_params(ex.parameters(), ex.expert_offset, ex.num_global)
+    if cfg.expert_bias:
+        layer.router.expert_bias = block.gate.e_score_correction_bias
+    else:
+        layer.router.expert_bias = torch.zeros(cfg.num_experts, device=device)
+    layer.load_since_update = torch.zeros(cfg.num_experts, device=device)
+    if model_type == "qwen2_moe":
+        layer.shared_experts = _dense_from_mlp(block.shared_expert, cfg.d_model, cfg.shared_d_ff)
+        layer.shared_expert_gate = block.shared_expert_gate
+    elif model_type == "deepseek_v3":
+        layer.shared_experts = _dense_from_mlp(block.shared_experts, cfg.d_model, cfg.shared_d_ff)
+    layer.router_logits_tap = tap_cls()
+    layer.train(block.training)
+    for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+        if t.is_meta:
+            raise AssertionError(f"moe.hf.patch left {name} on the meta device")
+    return layer
+
+
+def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
+    """Replace, in place, every sparse-MoE block of a transformers model by an ``MoELayer`` holding the
+    same weights (views, see the module docstring) and the equivalent routing; returns ``model``.
+
+    ``ep_group`` must be None (or of size 1) for now; ``dp_group`` is the data-parallel group over
+    which the layer reduces its routing statistics."""
+    hf_cfg = _model_config(model)
+    model_type = getattr(hf_cfg, "model_type", None)
+    _require(model_type in _BLOCKS, "model_type", model_type, f"supported model types are {SUPPORTED_MODEL_TYPES}")
+    _check_config(model_type, hf_cfg)
+    block_name, router_name = _BLOCKS[model_type]
+    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ == block_name]
+    if not targets:
+        raise ValueError(f"moe.hf.patch: config.model_type={model_type!r} but the model holds no {block_name} (already patched?)")
+    router_cls = type(targets[0][1].gate)
+    _require(router_cls.__name__ == router_name, "model_type", model_type, f"expected the router class {router_name}, found {router_cls.__name__}")
+    tap_cls = _tap_class(router_cls)
+    layers = []
+    for name, block in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = _convert_block(model_type, hf_cfg, block, tap_cls, ep_group, dp_group)
+        setattr(parent, child, layer)
+        layers.append(layer)
+    _hook_taps_if_already_hooked(model, layers)
+    return model
+
+
+def _hook_taps_if_already_hooked(model: nn.Module, layers) -> None:
+    # transformers installs its output-recording hooks lazily, once per (sub)model, on the first
+    # forward that records something; where that already happened, the stock routers that carried
+    # the hooks are gone, so the new taps are hooked here
+    hooked = [m for m in model.modules() if getattr(m, "_output_capturing_hooks_installed", False)]
+    if not hooked:
+        return
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder, install_output_capuring_hook
+
+    done = set()
+    for sub in hooked:
+        specs = _CAN_RECORD_REGISTRY.get(sub).get("router_logits")
+        if specs is None:
+            continue
+        inside = {id(m) for m in sub.modules()}
+        for spec in specs if isinstance(specs, list) else [specs]:
+            index = spec.index if isinstance(spec, OutputRecorder) else 1
+            for layer in layers:
+                tap = layer.router_logits_tap
+                if id(tap) in inside and id(tap) not in done:
+                    install_output_capuring_hook(tap, "router_logits", index)
+                    done.add(id(tap))

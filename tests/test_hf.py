@@ -1,0 +1,222 @@
+"""moe.hf.patch against the stock transformers models: a tiny randomly initialised model per
+architecture (built from its config class, nothing downloaded), stock vs patch(deepcopy(stock)):
+logits, loss (with the balancing loss where the model computes one), router logits, every
+weight's gradient, an SGD step and eval, all within 1e-5 relative in fp32.
+
+Relative means ``||a - b|| / ||b||`` per tensor (an elementwise ratio is meaningless where a
+gradient element is ~0)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import moe.hf as hf  # noqa: E402
+from moe import MoELayer  # noqa: E402
+
+RTOL = 1e-5
+VOCAB, B, L = 97, 2, 12
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, hidden_act="silu", attention_dropout=0.0)
+
+
+def _mixtral(**kw):
+    cfg = transformers.MixtralConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    return transformers.MixtralForCausalLM, cfg
+
+
+def _qwen2(**kw):
+    cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                                      mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    return transformers.Qwen2MoeForCausalLM, cfg
+
+
+def _qwen3(norm_topk_prob, **kw):
+    cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
+                                      norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], head_dim=8,
+                                      output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    return transformers.Qwen3MoeForCausalLM, cfg
+
+
+def _olmoe(**kw):
+    cfg = transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                   output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    return transformers.OlmoeForCausalLM, cfg
+
+
+ARCHS = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2,
+    "qwen3_moe_norm": lambda **kw: _qwen3(True, **kw),
+    "qwen3_moe_nonorm": lambda **kw: _qwen3(False, **kw),
+    "olmoe": _olmoe,
+}
+
+
+def _build(arch, **kw):
+    cls, cfg = ARCHS[arch](**kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(cfg).float()
+    return model
+
+
+def _stock_grad(name: str, patched: dict[str, torch.nn.Parameter]) -> tuple[list[str], torch.Tensor | None]:
+    """The patched parameters that hold the stock parameter ``name``, and their gradient in the stock layout."""
+    prefix, sep, leaf = name.rpartition("mlp.")
+    if not sep:
+        return [name], patched[name].grad
+    mlp = prefix + "mlp."
+    remap = {
+        "gate.weight": "router.weight",
+        "shared_expert.gate_proj.weight": "shared_experts.w1.weight",
+        "shared_expert.up_proj.weight": "shared_experts.w3.weight",
+        "shared_expert.down_proj.weight": "shared_experts.w2.weight",
+        "shared_experts.gate_proj.weight": "shared_experts.w1.weight",
+        "shared_experts.up_proj.weight": "shared_experts.w3.weight",
+        "shared_experts.down_proj.weight": "shared_experts.w2.weight",
+        "shared_expert_gate.weight": "shared_expert_gate.weight",
+    }
+    if leaf == "experts.gate_up_proj":
+        w1, w3 = patched[mlp + "experts.w1"].grad, patched[mlp + "experts.w3"].grad
+        return [mlp + "experts.w1", mlp + "experts.w3"], torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=1)
+    if leaf == "experts.down_proj":
+        return [mlp + "experts.w2"], patched[mlp + "experts.w2"].grad.transpose(1, 2)
+    if leaf in remap:
+        return [mlp + remap[leaf]], patched[mlp + remap[leaf]].grad
+    raise KeyError(f"no mapping for the stock parameter {name}")
+
+
+def _close(a, b, what):
+    assert a is not None and b is not None, what
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err <= RTOL, f"{what}: relative error {err:.3g} > {RTOL}"
+
+
+def _compare(stock, patched, train: bool):
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, L))
+    stock.train(train)
+    patched.train(train)
+    a = stock(ids, labels=ids)
+    b = patched(ids, labels=ids)
+    _close(b.logits, a.logits, "logits")
+    _close(b.loss, a.loss, "loss")
+    if getattr(a, "aux_loss", None) is not None:
+        _close(b.aux_loss, a.aux_loss, "aux_loss")
+    assert len(b.router_logits) == len(a.router_logits) == stock.config.num_hidden_layers
+    for i, (ra, rb) in enumerate(zip(a.router_logits, b.router_logits)):
+        _close(rb, ra, f"router_logits[{i}]")
+    return a, b
+
+
+def _check(arch, **kw):
+    stock = _build(arch, **kw)
+    patched = hf.patch(copy.deepcopy(stock))
+    layers = [m for m in patched.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == stock.config.num_hidden_layers
+    n_stock_blocks = sum(type(m).__name__ == hf._BLOCKS[stock.config.model_type][0] for m in patched.modules())
+    assert n_stock_blocks == 0
+
+    # training step: forward, backward, every gradient, then one SGD step on both
+    a, b = _compare(stock, patched, train=True)
+    a.loss.backward()
+    b.loss.backward()
+    pp = dict(patched.named_parameters())
+    covered = set()
+    for name, p in stock.named_parameters():
+        pnames, g = _stock_grad(name, pp)
+        _close(g, p.grad, f"grad of {name} (patched {pnames})")
+        covered.update(pnames)
+    assert covered == set(pp), sorted(set(pp) ^ covered)  # every patched weight checked, none extra
+    for model in (stock, patched):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        model.zero_grad(set_to_none=True)
+
+    # eval after the step: the patched weights moved exactly as the stock ones
+    with torch.no_grad():
+        _compare(stock, patched, train=False)
+    return stock, patched
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_patch_matches_stock(arch):
+    _check(arch)
+
+
+def test_qwen2_shared_expert_gate_is_the_stock_parameter():
+    stock = _build("qwen2_moe")
+    patched = hf.patch(copy.deepcopy(stock))
+    layer = patched.model.layers[0].mlp
+    assert layer.cfg.shared_expert_gate and layer.cfg.num_shared_experts == 1
+    assert layer.shared_expert_gate.weight.shape == (1, 32)
+
+
+def test_weights_are_views_of_the_stock_storage():
+    stock = _build("mixtral")
+    block = stock.model.layers[0].mlp
+    gate_up, down, router = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
+    hf.patch(stock)
+    layer = stock.model.layers[0].mlp
+    assert isinstance(layer, MoELayer)
+    assert layer.router.weight is router
+    F = layer.cfg.d_ff
+    assert layer.experts.w1.data_ptr() == gate_up.data_ptr()
+    assert layer.experts.w3.data_ptr() == gate_up[:, F:].data_ptr()
+    assert layer.experts.w2.data_ptr() == down.data_ptr()
+    assert torch.equal(layer.experts.w2, down.transpose(1, 2))
+
+
+def test_patch_after_a_recording_forward_still_records_router_logits():
+    # transformers hooks its output recorder once, on the first forward that records; the stock
+    # routers that carried the hooks are gone after patching
+    stock = _build("olmoe")
+    ids = torch.randint(0, VOCAB, (1, 8))
+    model = copy.deepcopy(stock)
+    model(ids, output_router_logits=True)
+    hf.patch(model)
+    out = model(ids, output_router_logits=True)
+    ref = stock(ids, output_router_logits=True)
+    assert len(out.router_logits) == len(ref.router_logits) == 2
+    _close(out.router_logits[1], ref.router_logits[1], "router_logits after late patch")
+
+
+def test_refusals_name_the_field():
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        hf.patch(transformers.MixtralForCausalLM(_mixtral_gelu()))
+    stock = _build("mixtral")
+    stock.config.router_jitter_noise = 0.1
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
+        hf.patch(stock)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                                   num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        hf.patch(llama)
+    patched = hf.patch(_build("mixtral"))
+    with pytest.raises(ValueError, match="holds no MixtralSparseMoeBlock"):
+        hf.patch(patched)
+
+
+def _mixtral_gelu():
+    _, cfg = _mixtral()
+    cfg.hidden_act = "gelu"
+    return cfg
+
+
+def test_core_packages_import_without_transformers():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys\nsys.modules['transformers'] = None\nsys.modules['safetensors'] = None\n"
+            "import moe, moe.model, zero, routing_kernels\n"
+            "import moe.hf\n"  # the module itself imports; only patching a model needs transformers
+            "assert 'transformers' not in sys.modules or sys.modules['transformers'] is None\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
