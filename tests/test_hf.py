@@ -49,12 +49,24 @@ def _olmoe(**kw):
     return transformers.OlmoeForCausalLM, cfg
 
 
+def _deepseek_v3(**kw):
+    # first_k_dense_replace=1: layer 0 keeps its dense MLP, layer 1 is MoE (only MoE blocks change)
+    common = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+    cfg = transformers.DeepseekV3Config(**common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2,
+                                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                        q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                        output_router_logits=True, **kw)
+    return transformers.DeepseekV3ForCausalLM, cfg
+
+
 ARCHS = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2,
     "qwen3_moe_norm": lambda **kw: _qwen3(True, **kw),
     "qwen3_moe_nonorm": lambda **kw: _qwen3(False, **kw),
     "olmoe": _olmoe,
+    "deepseek_v3": _deepseek_v3,
 }
 
 
@@ -63,14 +75,21 @@ def _build(arch, **kw):
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(cfg).float()
+    for m in model.modules():
+        if hasattr(m, "e_score_correction_bias"):  # a bias that changes which experts are picked
+            m.e_score_correction_bias.uniform_(-0.3, 0.3)
     return model
+
+
+def _moe_blocks(model):
+    return [m for m in model.modules() if type(m).__name__ == hf._BLOCKS[model.config.model_type][0]]
 
 
 def _stock_grad(name: str, patched: dict[str, torch.nn.Parameter]) -> tuple[list[str], torch.Tensor | None]:
     """The patched parameters that hold the stock parameter ``name``, and their gradient in the stock layout."""
-    prefix, sep, leaf = name.rpartition("mlp.")
-    if not sep:
+    if name in patched:  # untouched (attention, norms, embeddings, dense MLPs)
         return [name], patched[name].grad
+    prefix, _, leaf = name.rpartition("mlp.")
     mlp = prefix + "mlp."
     remap = {
         "gate.weight": "router.weight",
@@ -98,7 +117,7 @@ def _close(a, b, what):
     assert err <= RTOL, f"{what}: relative error {err:.3g} > {RTOL}"
 
 
-def _compare(stock, patched, train: bool):
+def _compare(stock, patched, train: bool, n_moe: int):
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (B, L))
     stock.train(train)
@@ -109,7 +128,7 @@ def _compare(stock, patched, train: bool):
     _close(b.loss, a.loss, "loss")
     if getattr(a, "aux_loss", None) is not None:
         _close(b.aux_loss, a.aux_loss, "aux_loss")
-    assert len(b.router_logits) == len(a.router_logits) == stock.config.num_hidden_layers
+    assert len(b.router_logits) == len(a.router_logits) == n_moe
     for i, (ra, rb) in enumerate(zip(a.router_logits, b.router_logits)):
         _close(rb, ra, f"router_logits[{i}]")
     return a, b
@@ -118,13 +137,13 @@ def _compare(stock, patched, train: bool):
 def _check(arch, **kw):
     stock = _build(arch, **kw)
     patched = hf.patch(copy.deepcopy(stock))
-    layers = [m for m in patched.modules() if isinstance(m, MoELayer)]
-    assert len(layers) == stock.config.num_hidden_layers
-    n_stock_blocks = sum(type(m).__name__ == hf._BLOCKS[stock.config.model_type][0] for m in patched.modules())
-    assert n_stock_blocks == 0
+    n_moe = len(_moe_blocks(stock))
+    assert n_moe >= 1
+    assert len([m for m in patched.modules() if isinstance(m, MoELayer)]) == n_moe
+    assert not _moe_blocks(patched)
 
     # training step: forward, backward, every gradient, then one SGD step on both
-    a, b = _compare(stock, patched, train=True)
+    a, b = _compare(stock, patched, train=True, n_moe=n_moe)
     a.loss.backward()
     b.loss.backward()
     pp = dict(patched.named_parameters())
@@ -140,7 +159,7 @@ def _check(arch, **kw):
 
     # eval after the step: the patched weights moved exactly as the stock ones
     with torch.no_grad():
-        _compare(stock, patched, train=False)
+        _compare(stock, patched, train=False, n_moe=n_moe)
     return stock, patched
 
 
