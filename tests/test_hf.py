@@ -75,9 +75,15 @@ def _build(arch, **kw):
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(cfg).float()
-    for m in model.modules():
-        if hasattr(m, "e_score_correction_bias"):  # a bias that changes which experts are picked
-            m.e_score_correction_bias.uniform_(-0.3, 0.3)
+    router_cls = type(_moe_blocks(model)[0].gate)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, router_cls):
+                # logits of std ~3 rather than ~0.1: each token's choice depends on the token, so a
+                # wrong selection rule (group limit, bias, top-k) changes the outputs
+                m.weight.normal_(0.0, 0.5)
+            if hasattr(m, "e_score_correction_bias"):  # a bias that changes which experts are picked
+                m.e_score_correction_bias.uniform_(-0.3, 0.3)
     return model
 
 
