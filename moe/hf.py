@@ -136,12 +136,9 @@ def _view_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach(), requires_grad=t.requires_grad)
 
 
-def _dense_from_mlp(mlp, d_model: int, d_ff: int) -> DenseFFN:
-    ffn = DenseFFN.__new__(DenseFFN)
-    nn.Module.__init__(ffn)
-    ffn.activation = "swiglu"
+def _take_mlp(ffn: DenseFFN, mlp) -> None:
+    # the stock SwiGLU MLP's Linear modules, as they are: gate_proj -> w1, up_proj -> w3, down_proj -> w2
     ffn.w1, ffn.w3, ffn.w2 = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    return ffn
 
 
 def _convert_block(model_type: str, hf_cfg, block, tap_cls, ep_group, dp_group) -> MoELayer:
@@ -166,10 +163,10 @@ def _convert_block(model_type: str, hf_cfg, block, tap_cls, ep_group, dp_group) 
         layer.router.expert_bias = torch.zeros(cfg.num_experts, device=device)
     layer.load_since_update = torch.zeros(cfg.num_experts, device=device)
     if model_type == "qwen2_moe":
-        layer.shared_experts = _dense_from_mlp(block.shared_expert, cfg.d_model, cfg.shared_d_ff)
+        _take_mlp(layer.shared_experts, block.shared_expert)
         layer.shared_expert_gate = block.shared_expert_gate
     elif model_type == "deepseek_v3":
-        layer.shared_experts = _dense_from_mlp(block.shared_experts, cfg.d_model, cfg.shared_d_ff)
+        _take_mlp(layer.shared_experts, block.shared_experts)
     layer.router_logits_tap = tap_cls()
     layer.train(block.training)
     for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
