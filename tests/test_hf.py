@@ -29,9 +29,9 @@ def _mixtral(**kw):
     return transformers.MixtralForCausalLM, cfg
 
 
-def _qwen2(**kw):
+def _qwen2(norm_topk_prob=False, **kw):
     cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, decoder_sparse_step=1,
                                       mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.1, **kw)
     return transformers.Qwen2MoeForCausalLM, cfg
 
@@ -63,6 +63,7 @@ def _deepseek_v3(**kw):
 ARCHS = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2,
+    "qwen2_moe_norm": lambda **kw: _qwen2(True, **kw),
     "qwen3_moe_norm": lambda **kw: _qwen3(True, **kw),
     "qwen3_moe_nonorm": lambda **kw: _qwen3(False, **kw),
     "olmoe": _olmoe,
@@ -245,3 +246,27 @@ def test_core_packages_import_without_transformers():
             "assert 'transformers' not in sys.modules or sys.modules['transformers'] is None\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_generate_and_gradient_checkpointing_match_stock():
+    # decoding one token at a time with a KV cache, and training under transformers' activation
+    # checkpointing (the layer is recomputed in backward)
+    stock = _build("deepseek_v3").eval()
+    patched = hf.patch(copy.deepcopy(stock))
+    ids = torch.randint(0, VOCAB, (2, 5))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(stock.generate(ids, **kw), patched.generate(ids, **kw))
+    for m in (stock, patched):
+        m.train()
+        m.config.use_cache = False
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    patched.model.layers[1].self_attn.register_forward_hook(lambda *_: calls.append(1))
+    a, b = stock(ids, labels=ids), patched(ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    assert len(calls) == 2  # the MoE decoder layer is checkpointed: its attention ran again in backward
+    _close(b.loss, a.loss, "loss under checkpointing")
+    pp = dict(patched.named_parameters())
+    for name, p in stock.named_parameters():
+        _close(_stock_grad(name, pp)[1], p.grad, f"grad of {name} under checkpointing")
