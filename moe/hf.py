@@ -12,7 +12,8 @@ Supported blocks (transformers 5.x layouts), with the routing each maps to:
 | ``olmoe`` | ``OlmoeSparseMoeBlock`` | softmax over E, top-k, renormalised iff ``norm_topk_prob`` | none |
 | ``deepseek_v3`` | ``DeepseekV3MoE`` | sigmoid scores, ``e_score_correction_bias`` added for selection only (the expert bias), group-limited top-k (``n_group``/``topk_group``), renormalised iff ``norm_topk_prob``, times ``routed_scaling_factor`` | ``n_shared_experts`` fused into one ungated MLP |
 
-Weights: the patched layer holds the stock tensors' storage, never a copy.
+Weights: on one process the patched layer holds the stock tensors' storage, never a copy (under
+expert parallelism each rank copies its own experts' slices, so the full stock tensors can go).
 
 - ``router.weight`` IS the stock ``gate.weight`` Parameter (same ``[E, D]`` layout).
 - ``experts.w1``/``w3`` ``[E, D, F]`` are Parameters viewing the two halves of the stock fused
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from routing_kernels.runtime import group_size, mark_expert_params
 
 from .config import MoEConfig
 from .experts import DenseFFN
@@ -136,6 +139,10 @@ def _view_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach(), requires_grad=t.requires_grad)
 
 
+def _copy_param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().contiguous().clone(), requires_grad=t.requires_grad)
+
+
 def _take_mlp(ffn: DenseFFN, mlp) -> None:
     # the stock SwiGLU MLP's Linear modules, as they are: gate_proj -> w1, up_proj -> w3, down_proj -> w2
     ffn.w1, ffn.w3, ffn.w2 = mlp.gate_proj, mlp.up_proj, mlp.down_proj
@@ -143,19 +150,22 @@ def _take_mlp(ffn: DenseFFN, mlp) -> None:
 
 def _convert_block(model_type: str, hf_cfg, block, tap_cls, ep_group, dp_group) -> MoELayer:
     cfg = _moe_config(model_type, hf_cfg, block)
-    if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
-        raise NotImplementedError("moe.hf.patch: expert parallelism (ep_group of size > 1) is not implemented yet")
+    ep = group_size(ep_group)
     device = block.gate.weight.device
     with torch.device("meta"):
         layer = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)
     F = cfg.d_ff
-    gate_up = block.experts.gate_up_proj  # [E, 2F, D]
-    layer.router.weight = block.gate.weight
     ex = layer.experts
-    ex.w1 = _view_param(gate_up[:, :F, :].transpose(1, 2))
-    ex.w3 = _view_param(gate_up[:, F:, :].transpose(1, 2))
-    ex.w2 = _view_param(block.experts.down_proj.transpose(1, 2))
-    from routing_kernels.runtime import mark_expert_params
+    lo, hi = ex.expert_offset, ex.expert_offset + ex.num_local
+    gate_up = block.experts.gate_up_proj[lo:hi]  # [X, 2F, D]
+    down = block.experts.down_proj[lo:hi]  # [X, D, F]
+    layer.router.weight = block.gate.weight
+    # one process: views of the stock storage; expert parallelism: this rank's experts copied, so
+    # the stock tensors (every expert) can be freed once the block is gone
+    take = _view_param if ep == 1 else _copy_param
+    ex.w1 = take(gate_up[:, :F, :].transpose(1, 2))
+    ex.w3 = take(gate_up[:, F:, :].transpose(1, 2))
+    ex.w2 = take(down.transpose(1, 2))
     mark_expert_params(ex.parameters(), ex.expert_offset, ex.num_global)
     if cfg.expert_bias:
         layer.router.expert_bias = block.gate.e_score_correction_bias
@@ -179,8 +189,10 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     """Replace, in place, every sparse-MoE block of a transformers model by an ``MoELayer`` holding the
     same weights (views, see the module docstring) and the equivalent routing; returns ``model``.
 
-    ``ep_group`` must be None (or of size 1) for now; ``dp_group`` is the data-parallel group over
-    which the layer reduces its routing statistics."""
+    ``ep_group``: the expert-parallel group; each of its R ranks keeps experts
+    ``[rank * E/R, (rank + 1) * E/R)`` (copied, contiguous) and tokens cross it by All-to-All, so every
+    rank must call ``patch`` on the same model with the same group. ``dp_group``: the data-parallel
+    group over which the layer reduces its routing statistics. None means one process for either."""
     hf_cfg = _model_config(model)
     model_type = getattr(hf_cfg, "model_type", None)
     _require(model_type in _BLOCKS, "model_type", model_type, f"supported model types are {SUPPORTED_MODEL_TYPES}")

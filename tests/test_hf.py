@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 import moe.hf as hf  # noqa: E402
 from moe import MoELayer  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
+
 RTOL = 1e-5
 VOCAB, B, L = 97, 2, 12
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -270,3 +272,76 @@ def test_generate_and_gradient_checkpointing_match_stock():
     pp = dict(patched.named_parameters())
     for name, p in stock.named_parameters():
         _close(_stock_grad(name, pp)[1], p.grad, f"grad of {name} under checkpointing")
+
+
+EP_ARCHS = ("mixtral", "qwen2_moe", "deepseek_v3")
+
+
+def _ep_rank(rank, world, archs):
+    # each rank: the same stock model, patched with expert parallelism over all ranks; it runs its
+    # own sequence of the batch and returns what it computed
+    import torch.distributed as dist
+
+    out = {}
+    for arch in archs:
+        model = hf.patch(_build(arch), ep_group=dist.group.WORLD, dp_group=dist.group.WORLD)
+        torch.manual_seed(1)
+        ids = torch.randint(0, VOCAB, (world, L))[rank : rank + 1]
+        res = model(ids, labels=ids)
+        res.loss.backward()
+        out[arch] = dict(logits=res.logits.detach(), loss=res.loss.detach(),
+                         router_logits=[r.detach() for r in res.router_logits],
+                         grads={n: p.grad for n, p in model.named_parameters()},
+                         shapes={n: tuple(p.shape) for n, p in model.named_parameters()})
+    return out
+
+
+def test_expert_parallel_patch_matches_stock():
+    # 2 ranks, ep=2: rank r holds experts [r*E/2, (r+1)*E/2) and runs sequence r. Its outputs and
+    # replicated weights' gradients are the stock model's on sequence r; its experts' gradients
+    # are the stock gradients of the sum of both ranks' losses (tokens of both ranks reach them)
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_ep_rank, 2, EP_ARCHS)
+    for arch in EP_ARCHS:
+        stock = _build(arch)
+        names = [n for n, _ in stock.named_parameters()]
+        params = [p for _, p in stock.named_parameters()]
+        torch.manual_seed(1)
+        ids = torch.randint(0, VOCAB, (2, L))
+        per_rank = []
+        for r in range(2):
+            ref = stock(ids[r : r + 1], labels=ids[r : r + 1])
+            got = results[r][arch]
+            _close(got["logits"], ref.logits, f"{arch} rank {r} logits")
+            _close(got["loss"], ref.loss, f"{arch} rank {r} loss")
+            for a, b in zip(got["router_logits"], ref.router_logits):
+                _close(a, b, f"{arch} rank {r} router logits")
+            per_rank.append(dict(zip(names, torch.autograd.grad(ref.loss, params, allow_unused=True))))
+        total = {n: per_rank[0][n] + per_rank[1][n] for n in names if per_rank[0][n] is not None}
+        for r in range(2):
+            got = results[r][arch]
+            checked = set()
+            for n in names:
+                prefix, _, leaf = n.rpartition("mlp.")
+                if leaf in ("experts.gate_up_proj", "experts.down_proj"):
+                    X = got["shapes"][prefix + "mlp.experts.w2"][0]
+                    lo, hi = r * X, (r + 1) * X
+                    if leaf == "experts.gate_up_proj":
+                        w1, w3 = got["grads"][prefix + "mlp.experts.w1"], got["grads"][prefix + "mlp.experts.w3"]
+                        g = torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=1)
+                        checked |= {prefix + "mlp.experts.w1", prefix + "mlp.experts.w3"}
+                    else:
+                        g = got["grads"][prefix + "mlp.experts.w2"].transpose(1, 2)
+                        checked.add(prefix + "mlp.experts.w2")
+                    _close(g, total[n][lo:hi], f"{arch} rank {r} grad of {n}[{lo}:{hi}]")
+                else:
+                    pnames, g = _stock_grad(n, {k: _Grad(v) for k, v in got["grads"].items()})
+                    _close(g, per_rank[r][n], f"{arch} rank {r} grad of {n}")
+                    checked.update(pnames)
+            assert checked == set(got["grads"]), sorted(set(got["grads"]) ^ checked)
+
+
+class _Grad:
+    def __init__(self, grad):
+        self.grad = grad
