@@ -33,6 +33,10 @@ still hands to the model's output recorder (``output_router_logits=True`` keeps 
 the model's ``aux_loss`` keeps its value and gradient). Router logits are recorded in fp32 (the stock
 routers return them in the input's dtype; the same values in fp32).
 
+Known differences, below fp32 rounding: DeepSeek-V3's renormalisation adds 1e-20 to the
+denominator (a sum of k sigmoids, never that small) and picks its top-k unsorted (the same set;
+only the order in which the k outputs are summed differs).
+
 Refused with a ValueError naming the field: an unknown ``model_type``, an activation other than
 silu (``hidden_act``), router jitter (``router_jitter_noise`` > 0), a model whose config names a
 supported type but holds no MoE block of the expected class.
