@@ -16,6 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
+import zero
+
 # how long a rank waits for the others to reach the rendezvous (process start and imports of every
 # rank, seconds each on a loaded machine); separate from the collective timeout, which is short
 RENDEZVOUS_TIMEOUT_S = 600.0
@@ -42,17 +44,12 @@ free_port = rendezvous_port  # the benchmarks' name for it: the port is served, 
 
 def init_process_group_on(port: int, rank: int, world: int, backend: str, timeout_s: float,
                           rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> None:
-    """Join the rendezvous store on ``port`` as a client and create the default process group.
-    The rendezvous (gloo/NCCL connecting the ranks, which torch bounds by the group's timeout) may
-    wait up to ``rendezvous_timeout_s`` for a rank that starts late; the group's collectives then
-    time out after ``timeout_s``."""
+    """Join the rendezvous store on ``port`` as a client and create the default process group
+    (``zero.join_process_group``): a rank that starts late may take ``rendezvous_timeout_s``, the
+    collectives then time out after ``timeout_s``."""
     long = datetime.timedelta(seconds=max(timeout_s, rendezvous_timeout_s))
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=long)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=long)
-    if timeout_s < rendezvous_timeout_s:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    zero.join_process_group(backend, timeout_s, rendezvous_timeout_s, store=store, rank=rank, world_size=world)
 
 
 def init_rank(rank: int, world: int, port: int, timeout_s: float = 300.0) -> torch.device:

@@ -101,7 +101,7 @@ def _model_config(model):
     return cfg
 
 
-def _moe_config(model_type: str, hf_cfg, block) -> MoEConfig:
+def _moe_config(model_type: str, block) -> MoEConfig:
     gate, experts = block.gate, block.experts
     if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
         raise ValueError(f"moe.hf.patch: {type(block).__name__}.experts has no fused gate_up_proj tensor "
@@ -152,8 +152,8 @@ def _take_mlp(ffn: DenseFFN, mlp) -> None:
     ffn.w1, ffn.w3, ffn.w2 = mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
-def _convert_block(model_type: str, hf_cfg, block, tap_cls, ep_group, dp_group) -> MoELayer:
-    cfg = _moe_config(model_type, hf_cfg, block)
+def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELayer:
+    cfg = _moe_config(model_type, block)
     ep = group_size(ep_group)
     device = block.gate.weight.device
     with torch.device("meta"):
@@ -212,7 +212,7 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     for name, block in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = _convert_block(model_type, hf_cfg, block, tap_cls, ep_group, dp_group)
+        layer = _convert_block(model_type, block, tap_cls, ep_group, dp_group)
         setattr(parent, child, layer)
         layers.append(layer)
     _hook_taps_if_already_hooked(model, layers)
@@ -230,7 +230,7 @@ def _hook_taps_if_already_hooked(model: nn.Module, layers) -> None:
 
     done = set()
     for sub in hooked:
-        specs = _CAN_RECORD_REGISTRY.get(sub).get("router_logits")
+        specs = (_CAN_RECORD_REGISTRY.get(sub) or {}).get("router_logits")
         if specs is None:
             continue
         inside = {id(m) for m in sub.modules()}

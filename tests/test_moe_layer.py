@@ -709,7 +709,7 @@ def test_parameter_layout():
     assert shapes == {"router.weight": (5, 12), "experts.w1": (5, 12, 20), "experts.w3": (5, 12, 20), "experts.w2": (5, 20, 12)}
     assert all(moe.is_expert_param(p) for n, p in layer.named_parameters() if n.startswith("experts."))
     assert not moe.is_expert_param(layer.router.weight)
-    # contract 2: SwiGLU is (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e] on the expert's rows
+    # the stable parameter layout: SwiGLU is (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e] on the expert's rows
     x = torch.randn(6, 12)
     e = 3
     y = layer.experts(x, [0, 0, 0, 6, 0])

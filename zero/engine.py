@@ -556,9 +556,9 @@ class ZeroEngine:
         return norm
 
     def shard_metadata(self) -> list[dict]:
-        """What this rank's optimizer holds: one entry per flat group (contract 6). ``params``: the
-        parameter slices of the flat's optimizer range (``shard_range`` from its start);
-        ``shard_tensors``: each tensor the optimizer holds for this flat, with ``param_group`` and
+        """What this rank's optimizer holds, one entry per flat group, so that shards written under
+        one layout can be placed under another. ``params``: the parameter slices of the flat's
+        optimizer range (``shard_range`` from its start); ``shard_tensors``: each tensor the optimizer holds for this flat, with ``param_group`` and
         ``index`` (it is ``engine.optimizer.param_groups[g]["params"][j]`` for ``index == (g, j)``,
         its state ``engine.optimizer.state[that tensor]``), its ``flat_range`` and the parameter
         slices it holds (``shard_range`` counted from the tensor's start)."""

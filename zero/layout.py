@@ -125,37 +125,40 @@ class Layout:
         return f"world={self.world} pp={self.pp} dp={self.dp} ep={self.ep} edp={self.edp} rank={self.rank} (pp_rank={self.pp_rank} dp_rank={self.dp_rank} ep_rank={self.ep_rank} edp_rank={self.edp_rank})"
 
 
-_collective_timeout_s: float | None = None  # what init_distributed was given; Layout.build's default
+_collective_timeout_s: float | None = None  # what join_process_group was given; Layout.build's default
 
 
-def init_distributed(timeout_s: float = 300.0, backend: str | None = None, rendezvous_timeout_s: float = 900.0) -> bool:
-    """Initialise torch.distributed from torchrun's environment; False when not launched by it.
-
-    NCCL when CUDA is available, gloo otherwise. The ranks meet under ``rendezvous_timeout_s`` (a
-    rank that starts late on a loaded machine or a slow filesystem is no error), then every
-    collective of the default group, and of the groups ``Layout.build`` creates, fails after
-    ``timeout_s`` instead of hanging on a dead rank.
-    """
+def join_process_group(backend: str, timeout_s: float, rendezvous_timeout_s: float = 900.0, **kwargs) -> None:
+    """``torch.distributed.init_process_group(backend, **kwargs)`` whose ranks may take up to
+    ``rendezvous_timeout_s`` to meet (a rank that starts late on a loaded machine is no error), and
+    whose collectives, like those of every group ``Layout.build`` creates later, then fail after
+    ``timeout_s`` instead of hanging on a dead rank."""
     global _collective_timeout_s
-    if dist.is_initialized():
-        return True
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return False
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # torch's own way to change a group's timeout after its rendezvous (torchelastic uses it); a
     # torch without it rendezvouses under the collective timeout
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     rendezvous = max(rendezvous_timeout_s, timeout_s) if set_timeout is not None else timeout_s
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=rendezvous))
-    if set_timeout is not None and rendezvous != timeout_s:
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=rendezvous), **kwargs)
+    if rendezvous != timeout_s:
         dist.barrier()  # every rank has joined: from here on a wait means a dead or stuck rank
         set_timeout(datetime.timedelta(seconds=timeout_s), None)
     _collective_timeout_s = float(timeout_s)
+
+
+def init_distributed(timeout_s: float = 300.0, backend: str | None = None, rendezvous_timeout_s: float = 900.0) -> bool:
+    """Initialise torch.distributed from torchrun's environment (``join_process_group``); False when
+    not launched by it. NCCL when CUDA is available, gloo otherwise."""
+    if dist.is_initialized():
+        return True
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    join_process_group(backend, timeout_s, rendezvous_timeout_s)
     return True
 
 
