@@ -102,7 +102,11 @@ class TrainLoopConfig:
 @dataclass
 class ParallelConfig:
     ep: int = 1  # expert-parallel size: ranks that together hold all experts (divides dp)
-    pp: int = 1  # pipeline stages (only 1 for now; other values stop with an error)
+    pp: int = 1  # pipeline stages: world = pp x dp; each stage a run of layers (embedding, blocks, head)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev (torch.distributed.pipelining)
+    pp_microbatches: Optional[int] = None  # micro-batches per step through the pipeline; null: 2 x pp x pp_virtual_stages
+    pp_virtual_stages: int = 1  # stages per pipeline rank: 1, >= 2 for interleaved_*, 2 for zbv and dualpipev
+    pp_layers: Optional[List[int]] = None  # layers of each stage in order (sum n_layers + 2); null: as even as possible
     zero_stage: int = 0  # 0 replicated | 1 shard optimizer state | 2 + gradients | 3 + parameters
     zero_offload: bool = False  # ZeRO-Offload: optimizer state and step on the CPU (stages 1-3)
     # fp32 everywhere, or bf16 compute weights/grads with fp32 master + moments (stages 1-3)

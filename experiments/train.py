@@ -36,6 +36,8 @@ from experiments import schema  # the config schema (Hydra's ConfigStore) and th
 from experiments.data import LMData, build_data
 from experiments.tracking import MetricsFile, hydra_job_info, make_tracker
 from moe.model import Transformer, TransformerConfig
+from routing_kernels.runtime import in_backward
+from zero.pipeline import Pipeline, PipelinePlan, plan_pipeline
 
 
 def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
@@ -43,25 +45,49 @@ def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
     validated (naming the numbers) before any collective."""
     if pcfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage={pcfg.zero_stage!r} is invalid: expected 0, 1, 2 or 3")
-    if pcfg.pp != 1:
-        raise ValueError(f"parallel.pp={pcfg.pp} is not available yet: pipeline parallelism is not implemented, use pp=1")
     if zero.init_distributed(timeout_s=float(pcfg.timeout_s)):
         return zero.Layout.build(ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts, timeout_s=float(pcfg.timeout_s))
     zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep), num_experts)  # names the numbers when ep > 1 on one process
     return zero.Layout.single()
 
 
-def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout) -> zero.ZeroEngine:
+def build_plan(cfg: DictConfig) -> PipelinePlan | None:
+    """The pipeline stages of ``parallel.pp*`` (None for pp=1), validated before any process group
+    exists: each error names the keys and the numbers."""
+    pcfg = cfg.parallel
+    if pcfg.pp == 1:
+        return None
+    v = int(pcfg.pp_virtual_stages)
+    m = int(pcfg.pp_microbatches) if pcfg.pp_microbatches is not None else 2 * int(pcfg.pp) * v
+    layers = None if pcfg.pp_layers is None else [int(k) for k in pcfg.pp_layers]
+    try:
+        return plan_pipeline(int(cfg.model.n_layers) + 2, pp=int(pcfg.pp), pp_schedule=str(pcfg.pp_schedule),
+                             pp_microbatches=m, pp_virtual_stages=v, pp_layers=layers)
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}") from None
+
+
+def split_model(model: Transformer, plan: PipelinePlan, layout: zero.Layout) -> tuple[Transformer, list[Transformer]]:
+    """This pipeline rank's part of ``model``: the module holding all its layers (what the engine
+    shards; parameters keep their names) and one module per stage it runs."""
+    ranges = [plan.ranges[s] for s in plan.stages_of(layout.pp_rank)]
+    return model.keep_layers(ranges), [model.pipeline_stage(lo, hi) for lo, hi in ranges]
+
+
+def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout, chunks: list[torch.nn.Module] | None = None) -> zero.ZeroEngine:
     """The ``zero.ZeroEngine`` for ``parallel.zero_stage`` (0-3): it owns the gradient reduction,
     clipping and the optimizer of ``optimizer_factory(cfg.optim)``, over two param groups: matrices
-    decay, norm gains and other 1-D parameters do not."""
+    decay, norm gains and other 1-D parameters do not. ``chunks``: the pipeline stages that run
+    ``model``'s layers (``split_model``); ZeRO-3 then keeps each block gathered for the step."""
     pcfg, ocfg = cfg.parallel, cfg.optim
     if int(pcfg.zero_stage) == 0 and pcfg.zero_offload:
         raise ValueError("parallel.zero_offload=true needs parallel.zero_stage >= 1")
     factory = optimizer_factory(ocfg)  # a bad optim.* stops here, before the engine's first collective
     wd = float(ocfg.weight_decay)
+    pipeline = {} if chunks is None else dict(
+        blocks=zero.default_blocks(model), entries=chunks, keep_gathered_across_microbatches=int(pcfg.zero_stage) == 3)
     return zero.ZeroEngine(
-        model, layout, stage=int(pcfg.zero_stage), optimizer=factory,
+        model, layout, stage=int(pcfg.zero_stage), optimizer=factory, **pipeline,
         param_groups=lambda name, p: {"weight_decay": wd if p.dim() >= 2 else 0.0},
         max_grad_norm=float(cfg.train.grad_clip) if cfg.train.grad_clip > 0 else None,
         offload=bool(pcfg.zero_offload),
@@ -137,18 +163,29 @@ def _autocast(cfg, device: torch.device):
 
 
 def _all_reduce_(t: torch.Tensor, layout: zero.Layout) -> torch.Tensor:
-    if layout.dp_group is not None:
-        dist.all_reduce(t, group=layout.dp_group)
+    """Summed over every rank of the step: dp, then the pipeline stages (a quantity only the last
+    stage has is zero on the others)."""
+    for group in (layout.dp_group, layout.pp_group):
+        if group is not None:
+            dist.all_reduce(t, group=group)
     return t
 
 
+def lm_loss(logits_BLV: torch.Tensor, y_BL: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return nnf.cross_entropy(logits_BLV.float().flatten(0, 1), y_BL.flatten(), reduction=reduction)
+
+
 @torch.no_grad()
-def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Layout, device: torch.device) -> float:
+def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Layout, device: torch.device,
+             pipe: Pipeline | None = None) -> float:
     """Mean loss (nats per token) over ``train.eval_batches`` fixed global batches of the validation
-    split: the same windows every call and under every layout."""
+    split: the same windows every call and under every layout; under a pipeline, through its
+    forward-only schedule."""
     tcfg = cfg.train
+    modules = [model] if pipe is None else [model, *(s.submod for s in pipe.stages)]
     was_training = model.training
-    model.eval()
+    for mod in modules:
+        mod.eval()
     micro = tcfg.batch_size // layout.dp // tcfg.grad_accum
     sum_count = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(tcfg.eval_batches):
@@ -156,15 +193,56 @@ def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Lay
         for a in range(0, x_BL.shape[0], micro):  # micro-batch sized chunks bound the memory
             x, y = x_BL[a : a + micro].to(device), y_BL[a : a + micro].to(device)
             with _autocast(cfg, device):
-                logits_BLV = model(x)
-            loss_sum = nnf.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten(), reduction="sum")
-            sum_count += torch.stack([loss_sum.double(), torch.tensor(float(y.numel()), dtype=torch.float64, device=device)])
+                if pipe is None:
+                    loss_sum = lm_loss(model(x), y, "sum")
+                else:  # equal micro-batches: each one's mean loss times its tokens
+                    losses = pipe.eval(x if pipe.is_first else None, y if pipe.is_last else None)
+                    loss_sum = sum(losses, torch.zeros((), device=device)) * (y.numel() / pipe.plan.microbatches)
+            count = float(y.numel()) if pipe is None or pipe.is_last else 0.0
+            sum_count += torch.stack([loss_sum.double(), torch.tensor(count, dtype=torch.float64, device=device)])
     _all_reduce_(sum_count, layout)
-    model.train(was_training)
+    for mod in modules:
+        mod.train(was_training)
     return (sum_count[0] / sum_count[1]).item()
 
 
-def _check_train_cfg(cfg: DictConfig, layout: zero.Layout) -> None:
+class MoEStatSums:
+    """Sums of each MoE layer's statistics over the training forwards since ``reset()``, indexed by
+    the layer's position among all MoE layers of the model (whichever pipeline stage runs it);
+    collected by forward hooks, so every micro-batch a schedule runs is counted once (not the
+    recomputation of activation checkpointing, not validation)."""
+
+    def __init__(self, layers: dict, num_layers: int, num_experts: int, device: torch.device):
+        self.num_layers, self.device = num_layers, device
+        self.num_experts = num_experts
+        self.reset()
+        self._hooks = [layer.register_forward_hook(self._hook(i)) for layer, i in layers.items()]
+
+    def reset(self) -> None:
+        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=self.device)
+        self.aux = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
+        self.drop = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
+
+    def _hook(self, i: int):
+        def hook(layer, args, out):
+            if layer.training and not in_backward():
+                self.load[i] += layer.stats.tokens_per_expert
+                self.aux[i] += layer.stats.aux_loss.double()
+                self.drop[i] += layer.stats.dropped_fraction.double()
+        return hook
+
+    def gathered(self, layout: zero.Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(load, aux, drop) of every MoE layer on every rank: already global over dp (the layers
+        reduce them), summed over the pipeline stages, each of which fills only its own layers;
+        every rank sends the same length, whatever it holds."""
+        flat = torch.cat([self.load.flatten(), self.aux, self.drop])
+        if layout.pp_group is not None:
+            dist.all_reduce(flat, group=layout.pp_group)
+        L, E = self.num_layers, self.num_experts
+        return flat[: L * E].view(L, E), flat[L * E : L * E + L], flat[L * E + L :]
+
+
+def _check_train_cfg(cfg: DictConfig, layout: zero.Layout, plan: PipelinePlan | None = None) -> None:
     schema.check_keys(cfg)  # a key added with +key=value that no schema has
     t = cfg.train
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
@@ -172,6 +250,9 @@ def _check_train_cfg(cfg: DictConfig, layout: zero.Layout) -> None:
             raise ValueError(f"train.{key}={t[key]!r} is invalid: expected a positive integer")
     if t.batch_size % (layout.dp * t.grad_accum):
         raise ValueError(f"train.batch_size={t.batch_size} must be divisible by dp={layout.dp} x train.grad_accum={t.grad_accum}")
+    if plan is not None and t.batch_size % (layout.dp * t.grad_accum * plan.microbatches):
+        raise ValueError(f"train.batch_size={t.batch_size} must be divisible by dp={layout.dp} x train.grad_accum={t.grad_accum} "
+                         f"x parallel.pp_microbatches={plan.microbatches}: every micro-batch of the pipeline has the same rows")
     if t.grad_clip < 0:
         raise ValueError(f"train.grad_clip={t.grad_clip} is invalid: expected >= 0 (0 disables clipping)")
     if cfg.precision not in ("fp32", "bf16"):
@@ -193,8 +274,11 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     (not summary.json) also holds ``"weights"``, this rank's final fp32 weights by parameter name
     (experts: the slice this rank holds); under ZeRO gathering them is a collective, so every rank
     must pass the same value."""
+    plan = build_plan(cfg)  # a bad pipeline config stops here, before any process group
     layout = layout or build_layout(cfg.parallel, cfg.moe.num_experts if cfg.model.moe_every else None)
-    _check_train_cfg(cfg, layout)
+    if layout.pp != cfg.parallel.pp:
+        raise ValueError(f"parallel.pp={cfg.parallel.pp} but the layout has pp={layout.pp}")
+    _check_train_cfg(cfg, layout, plan)
     zero.check_same_on_all_ranks(OmegaConf.to_yaml(cfg, resolve=True), "config")  # before any other collective
     rank0 = layout.rank == 0
     tcfg = cfg.train
@@ -209,28 +293,44 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
     model = build_model(cfg, layout).to(device)
     model.train()
-    engine = build_engine(cfg, model, layout)
     params = model.param_counts()
+    all_layers = model.moe_layers()  # of the whole model; a pipeline rank runs some of them
+    layer_index = {layer: i for i, layer in enumerate(all_layers)}
+    pipe = None
+    if plan is not None:
+        model, chunks = split_model(model, plan, layout)  # the other stages' layers are dropped here
+        engine = build_engine(cfg, model, layout, chunks)
+        pipe = Pipeline(chunks, plan, layout, engine, loss_fn=lm_loss, device=device)
+    else:
+        engine = build_engine(cfg, model, layout)
     unigram = data.unigram_entropy("val")
 
     tracker = make_tracker(cfg, run_dir if run_dir is not None else Path("."), layout.rank)
     metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and rank0 else None)
-    layers = model.moe_layers()
+    stats = MoEStatSums({l: layer_index[l] for l in model.moe_layers()}, len(all_layers),
+                        all_layers[0].cfg.num_experts if all_layers else 0, device)
     accum = tcfg.grad_accum
     micro = tcfg.batch_size // layout.dp // accum
+    forwards = accum * (plan.microbatches if plan is not None else 1)  # of each layer per step
     tokens_per_step = tcfg.batch_size * tcfg.seq_len  # global
-    # a micro-batch's loss is divided by accum; the aux losses' gradients must shrink alike
-    moe.scale_aux_losses(model, 1.0 / accum)
+    # each micro-batch's loss is divided by the micro-batches of the step; the aux losses' gradients
+    # must shrink alike
+    moe.scale_aux_losses(model, 1.0 / forwards)
+    if pipe is not None:
+        pipe.loss_scale = 1.0 / forwards
 
     if rank0:
         print(f"model: {params['total']:,} parameters, {params['active']:,} active per token; "
-              f"{len(layers)} MoE of {cfg.model.n_layers} blocks; layout: {layout.describe()}; device {device}", flush=True)
+              f"{len(all_layers)} MoE of {cfg.model.n_layers} blocks; layout: {layout.describe()}; device {device}", flush=True)
+        if plan is not None:
+            print(f"pipeline: {plan.describe()}", flush=True)
         print(f"data: {data.name} {data.info}; train {len(data.train):,} / val {len(data.val):,} tokens", flush=True)
 
     # running sums since the last log row; tensors, so no step waits for the device unless logging
     def fresh():
-        return {"loss": torch.zeros((), device=device), "aux": torch.zeros((), device=device), "drop": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0,
-                "load": [torch.zeros(l.cfg.num_experts, dtype=torch.long, device=device) for l in layers], "t": time.perf_counter(), "eval_s": 0.0}
+        stats.reset()
+        return {"loss": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0,
+                "t": time.perf_counter(), "eval_s": 0.0}
 
     acc = fresh()
     logged_losses, val_loss, val_history = [], None, []
@@ -243,19 +343,21 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
             for m in range(accum):
                 x, y = x_BL[m * micro : (m + 1) * micro].to(device), y_BL[m * micro : (m + 1) * micro].to(device)
+                if pipe is not None:
+                    # the schedule splits the rows into the plan's micro-batches; the engine
+                    # reduces after the last backward of the last round
+                    with _autocast(cfg, device):
+                        losses = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, reduce=m == accum - 1)
+                    acc["loss"] += sum(losses, torch.zeros((), device=device)) / forwards
+                    continue
                 # micro-batches before the last only accumulate locally: one reduction per step
                 quiet = engine.no_sync() if m < accum - 1 else nullcontext()
                 with quiet:
                     with _autocast(cfg, device):
                         logits_BLV = model(x)
-                    loss = nnf.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten())
+                    loss = lm_loss(logits_BLV, y)
                     (loss / accum).backward()
                 acc["loss"] += loss.detach() / accum
-                for i, layer in enumerate(layers):
-                    acc["load"][i] += layer.stats.tokens_per_expert
-                if layers:
-                    acc["aux"] += sum(l.stats.aux_loss.float() for l in layers) / len(layers) / accum
-                    acc["drop"] += sum(l.stats.dropped_fraction.float() for l in layers) / len(layers) / accum
             # reduce, clip, the optimizer on this rank's shards; the norm before clipping
             gnorm = torch.as_tensor(engine.step(), dtype=torch.float32, device=device)
             moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
@@ -268,7 +370,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             row_val = None
             if done % tcfg.eval_every == 0 or last:
                 t_eval = time.perf_counter()
-                val_loss = row_val = evaluate(model, data, cfg, layout, device)
+                val_loss = row_val = evaluate(model, data, cfg, layout, device, pipe)
                 val_history.append((done, val_loss))
                 acc["eval_s"] += time.perf_counter() - t_eval
             if done % tcfg.log_every == 0 or last or row_val is not None:
@@ -282,11 +384,11 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                     "tokens_per_s": n * tokens_per_step / max(elapsed, 1e-9),
                     "grad_norm": acc["gnorm"].item() / n,
                 }
-                if layers:
-                    # the MoE statistics are already global over dp (the layer reduces them)
-                    row["aux_loss"] = acc["aux"].item() / n
-                    row["dropped_fraction"] = acc["drop"].item() / n
-                    load = [l.tolist() for l in acc["load"]]
+                if all_layers:
+                    load_LE, aux_L, drop_L = stats.gathered(layout)  # every stage's layers
+                    row["aux_loss"] = aux_L.sum().item() / len(all_layers) / forwards / n
+                    row["dropped_fraction"] = drop_L.sum().item() / len(all_layers) / forwards / n
+                    load = [[int(c) for c in e] for e in load_LE.tolist()]
                     row["load_max_over_mean"] = sum(max(e) / max(sum(e) / len(e), 1e-9) for e in load) / len(load)
                     row["expert_load"] = load
                 if row_val is not None:
@@ -295,10 +397,10 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                 if rank0:
                     metrics.write(row)
                     tracker.log(row, done)
-                    if layers:
+                    if all_layers:
                         tracker.log_expert_load(row["expert_load"], done)
                     post = {"loss": f"{loss_mean:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}"}
-                    if layers:
+                    if all_layers:
                         post.update(aux=f"{row['aux_loss']:.3f}", drop=f"{row['dropped_fraction']:.3f}")
                     if val_loss is not None:
                         post["val"] = f"{val_loss:.3f}"
@@ -322,7 +424,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         "tokens": tcfg.steps * tokens_per_step,
         "params_total": params["total"],
         "params_active": params["active"],
-        "moe_layers": len(layers),
+        "moe_layers": len(all_layers),
         "time_s": wall,
         "tokens_per_s": tcfg.steps * tokens_per_step / wall,
         "overrides": hydra_job_info().get("overrides", []),

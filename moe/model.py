@@ -167,18 +167,83 @@ class Transformer(nn.Module):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
 
-    def forward(self, idx_BL: torch.Tensor) -> torch.Tensor:
-        B, L = idx_BL.shape
+    # the layers a pipeline cuts between: the embedding, each block, the head (final norm + lm_head)
+    @property
+    def num_pipeline_layers(self) -> int:
+        return self.cfg.n_layers + 2
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        """The pipeline layers this module holds, ``[lo, hi)`` of ``num_pipeline_layers``; an error
+        for a module holding several separate runs of layers (``keep_layers``)."""
+        kept = getattr(self, "_kept", None)
+        if kept is None:
+            return 0, self.num_pipeline_layers
+        lo, hi = min(kept), max(kept) + 1
+        if len(kept) != hi - lo:
+            raise ValueError(f"this module holds pipeline layers {sorted(kept)}, not one contiguous run: run the "
+                             f"stages made with pipeline_stage() instead")
+        return lo, hi
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``idx_BL -> logits_BLV`` for the whole model. A pipeline stage (``pipeline_stage``) maps
+        what its first layer takes (token ids ``[B, L]`` or activations ``[B, L, D]``) to what its
+        last layer gives (activations ``[B, L, D]``, or logits)."""
+        lo, hi = self.layer_range
+        L = x.shape[1]
         if L > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {L} exceeds max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:L], self.rope_sin[:L]
-        x_BLD = self.embed(idx_BL)
-        for block in self.blocks:
+        x_BLD = self.embed(x) if lo == 0 else x
+        for i in range(max(lo, 1) - 1, min(hi - 1, self.cfg.n_layers)):  # layer i + 1 is block i
+            block = self.blocks[i]
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
                 x_BLD = checkpoint(block, x_BLD, cos, sin, use_reentrant=False)
             else:
                 x_BLD = block(x_BLD, cos, sin)
-        return self.lm_head(self.norm(x_BLD))
+        if hi == self.num_pipeline_layers:
+            return self.lm_head(self.norm(x_BLD))
+        return x_BLD
+
+    def pipeline_stage(self, lo: int, hi: int) -> "Transformer":
+        """A module that runs pipeline layers ``[lo, hi)`` of this model (layer 0 the embedding,
+        layer i + 1 block i, the last layer the final norm and lm_head); see ``keep_layers``."""
+        return self.keep_layers([(lo, hi)])
+
+    def keep_layers(self, ranges: list[tuple[int, int]]) -> "Transformer":
+        """A module holding the pipeline layers of ``ranges`` (``[(lo, hi), ...]``) of this model
+        and sharing their parameters. Every parameter keeps its name in the whole model
+        (``blocks.3.attn.qkv.weight``), so a stage's weights, gradients and checkpoints line up with
+        the unsplit model's; blocks outside the ranges are parameterless placeholders, and the
+        embedding or the head outside them are None. One range runs as a pipeline stage; several
+        (a rank's virtual stages) make the module that holds them all, for the ZeRO engine."""
+        n = self.num_pipeline_layers
+        if getattr(self, "_kept", None) is not None:
+            raise ValueError(f"keep_layers() splits the whole model; this module holds layers {sorted(self._kept)}")
+        kept: set[int] = set()
+        for r in ranges:
+            lo, hi = r
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= n):
+                raise ValueError(f"pipeline layers [{lo}, {hi}) are invalid: expected 0 <= lo < hi <= {n} "
+                                 f"(the embedding, {self.cfg.n_layers} blocks and the head)")
+            kept |= set(range(lo, hi))
+        if not kept:
+            raise ValueError("keep_layers() needs at least one range of layers")
+        if self.cfg.tie_embeddings and (0 in kept) != (n - 1 in kept):
+            raise ValueError(f"tie_embeddings=True shares one weight between the embedding (layer 0) and the head "
+                             f"(layer {n - 1}), and layers {sorted(kept)} hold only one of them: untie them "
+                             f"(model.tie_embeddings=false) to split the model into pipeline stages")
+        part = Transformer.__new__(Transformer)
+        nn.Module.__init__(part)
+        part.cfg = self.cfg
+        part._kept = frozenset(kept)
+        part.embed = self.embed if 0 in kept else None
+        part.blocks = nn.ModuleList(b if i + 1 in kept else nn.Identity() for i, b in enumerate(self.blocks))
+        part.norm = self.norm if n - 1 in kept else None
+        part.lm_head = self.lm_head if n - 1 in kept else None
+        part.register_buffer("rope_cos", self.rope_cos, persistent=False)
+        part.register_buffer("rope_sin", self.rope_sin, persistent=False)
+        return part
 
     def moe_layers(self) -> list[MoELayer]:
         return moe_layers(self)

@@ -277,7 +277,7 @@ class ZeroEngine:
                  eps: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None,
                  offload: bool = False, mixed_precision: str = "fp32", blocks: list[nn.Module] | None = None,
                  keep_gathered_across_microbatches: bool = False, prefetch: bool = True,
-                 sync_module_states: bool = True):
+                 sync_module_states: bool = True, entries: list[nn.Module] | None = None):
         # every check happens before the first collective, so a bad value stops each rank alike
         if not isinstance(model, nn.Module):
             raise ValueError(f"model={type(model).__name__} must be a torch.nn.Module")
@@ -315,6 +315,9 @@ class ZeroEngine:
             raise ValueError(f"layout={type(layout).__name__} must be a zero.Layout or None (one process)")
         if keep_gathered_across_microbatches and stage != 3:
             raise ValueError(f"keep_gathered_across_microbatches=True only applies to stage 3, got stage={stage}")
+        entries = [model] if entries is None else list(entries)
+        if not entries or not all(isinstance(e, nn.Module) for e in entries):
+            raise ValueError(f"entries={entries!r} must be a non-empty list of modules whose forward starts a forward pass")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameter that requires a gradient")
@@ -436,9 +439,12 @@ class ZeroEngine:
         self._bwd_queue: list[_Unit] = []  # reduction order of the current backward
         self._backward_open = False  # a backward has started and not yet been finished
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
+        self._reducing = False  # reductions launched by start_reduction(), not yet waited for
         self._reduced = False  # reduced gradients wait for step()
-        self._hooks = [model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
-                       model.register_forward_hook(self._root_post_forward)]
+        self._hooks = []
+        for e in entries:
+            self._hooks += [e.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
+                            e.register_forward_hook(self._root_post_forward)]
         for u in self.units:
             if not u.is_root:
                 self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
@@ -471,10 +477,35 @@ class ZeroEngine:
         finally:
             self._sync = previous
 
+    def accumulate_param_grads(self, params) -> None:
+        """Move gradients that were assigned to ``p.grad`` directly, rather than accumulated by
+        autograd, into the engine's buffers (torch's pipelining does this in the weight-gradient
+        pass of its zero-bubble schedules). Call it inside ``no_sync()``."""
+        if self._sync:
+            raise RuntimeError("accumulate_param_grads() runs inside no_sync(): reduce with start_reduction() or step()")
+        for p in params:
+            if p.grad is None or p not in self._where:
+                continue
+            _, flat, index = self._where[p]
+            flat.accumulate(index, p.grad)
+            p.grad = None
+            self._unreduced = True
+
+    def start_reduction(self) -> None:
+        """Start reducing the gradients accumulated under ``no_sync()`` now, without waiting
+        (``step()`` waits): a pipeline stage calls it after its last backward of the step, so the
+        reduction overlaps what the other stages still compute."""
+        if self._backward_open:
+            self._finish_backward()
+        if self._unreduced:
+            self._reduce_all(wait=False)
+
     def zero_grad(self) -> None:
         """Discard gradients accumulated since the last step (``step()`` already consumes them)."""
         if self._backward_open:
             raise RuntimeError("zero_grad() during a backward pass")
+        if self._reducing:  # collectives in flight must complete on every rank alike
+            self._wait_reductions()
         for f in self.flats:
             f.discard_grads()
         self._unreduced = False
@@ -503,6 +534,8 @@ class ZeroEngine:
             self._finish_backward()
         if self._unreduced:  # every backward of this step ran under no_sync: reduce now
             self._reduce_all()
+        if self._reducing:  # start_reduction() launched it
+            self._wait_reductions()
         if not self._reduced:
             raise RuntimeError("step() found no gradients: run a backward pass since the last step() or zero_grad()")
         self._reduced = False
@@ -601,6 +634,8 @@ class ZeroEngine:
             self._finish_backward()
         if self._unreduced:
             self._reduce_all()
+        if self._reducing:
+            self._wait_reductions()
         if not self._reduced:
             raise RuntimeError("full_gradients() found no gradients: run a backward pass first")
         out = {}
@@ -777,12 +812,15 @@ class ZeroEngine:
             for u in self.units:
                 self._free_unit(u)
 
-    def _reduce_all(self) -> None:
+    def _reduce_all(self, wait: bool = True) -> None:
         self._bwd_queue = list(dict.fromkeys(reversed(self._fwd_order)))  # a unit run twice reduces once
         self._bwd_queue += [u for u in self.units if u not in self._bwd_queue]
         for u in self._bwd_queue:
             self._launch(u)
-        self._wait_reductions()
+        self._unreduced = False
+        self._reducing = True
+        if wait:
+            self._wait_reductions()
 
     def _wait_reductions(self) -> None:
         for u in self._bwd_queue:
@@ -792,6 +830,7 @@ class ZeroEngine:
                 f.finish_reduce()
             u.handles, u.launched, u.ready, u.arrived = [], False, False, 0
         self._unreduced = False
+        self._reducing = False
         self._reduced = True
 
     def _global_grad_norm(self) -> float:
