@@ -98,9 +98,12 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
         monkeypatch.delenv("WANDB_SERVICE", raising=False)
         overrides.append("logger.mode=offline")  # no network, no account
     cfg = cfg_of(*overrides)
-    if group == "parallel" and cfg.parallel.ep > 1:
-        # needs ep ranks: the layout tests below run it; one process must refuse it by the numbers
-        with pytest.raises(ValueError, match=f"ep={cfg.parallel.ep} does not divide dp=1"):
+    if group == "parallel" and (cfg.parallel.ep > 1 or cfg.parallel.pp > 1):
+        # needs several ranks: the layout and pipeline tests run it; one process must refuse it by
+        # the numbers (the pipeline plan first: too few layers of this tiny model for its stages)
+        match = (f"world size 1 is not divisible by pp={cfg.parallel.pp}|cannot fill" if cfg.parallel.pp > 1
+                 else f"ep={cfg.parallel.ep} does not divide dp=1")
+        with pytest.raises(ValueError, match=match):
             run(cfg, tmp_path, stdlib)
         return
     if group == "logger" and choice == "wandb":

@@ -44,12 +44,20 @@ def _totals(out: dict) -> dict:
 
 
 def predict_memory(params, *, dp: int = 1, ep: int = 1, stage: int = 0, mixed_precision: str = "bf16",
-                   offload: bool = False, layout: Layout | None = None) -> dict:
+                   offload: bool = False, layout: Layout | None = None):
     """Per-rank bytes of weights, gradients and optimizer state, dense and expert separately.
 
     ``params``: a count of dense parameters, a dict ``{"dense": n, "expert": m}`` over the whole
     model, or an ``nn.Module`` (counted with ``count_params``). ``layout`` overrides ``dp``/``ep``.
+    Under pipeline parallelism each stage's ranks hold that stage's parameters only: pass the
+    stage's module (what a pipeline rank holds), or a list with one count or dict per stage, which
+    gives a list of per-rank results, one per stage (dp and ep are those inside each stage).
     """
+    if isinstance(params, (list, tuple)):
+        if not params:
+            raise ValueError("params=[] is empty: give one count or dict per pipeline stage")
+        return [predict_memory(p, dp=dp, ep=ep, stage=stage, mixed_precision=mixed_precision, offload=offload,
+                               layout=layout) for p in params]
     if layout is not None:
         dp, ep = layout.dp, layout.ep
     if isinstance(params, nn.Module):
@@ -143,14 +151,18 @@ def main(argv=None) -> None:
     ap.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--mixed-precision", default="bf16", choices=tuple(_BYTES))
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages holding equal shares of the parameters (the "
+                    "busiest stage is what counts; world = pp x dp)")
     a = ap.parse_args(argv)
+    if a.pp < 1:
+        ap.error(f"--pp={a.pp} must be >= 1")
     rows = []
     for s in a.stage:
-        m = predict_memory({"dense": a.params, "expert": a.expert_params}, dp=a.dp, ep=a.ep, stage=s,
+        m = predict_memory({"dense": a.params / a.pp, "expert": a.expert_params / a.pp}, dp=a.dp, ep=a.ep, stage=s,
                            mixed_precision=a.mixed_precision, offload=a.offload)
         rows.append((str(s), m))
-    print(f"params={a.params:g} expert_params={a.expert_params:g} dp={a.dp} ep={a.ep} {a.mixed_precision}"
-          f"{' offload' if a.offload else ''}, Adam; per rank")
+    print(f"params={a.params:g} expert_params={a.expert_params:g} pp={a.pp} dp={a.dp} ep={a.ep} {a.mixed_precision}"
+          f"{' offload' if a.offload else ''}, Adam; per rank of a stage")
     print(format_table(rows))
 
 

@@ -156,6 +156,18 @@ class _EngineStage(tpp.PipelineStage):
             self._pipeline._stage_finished(self.stage_index)
         return result
 
+    def _compute_outputs(self, *args, module, **kwargs):
+        # torch calls this only for its shape inference at the first step, on stand-in inputs:
+        # in eval mode, so modules that count what passes through them in training (routers'
+        # load statistics, the trainer's metrics) do not count a forward that is no micro-batch
+        modes = [(m, m.training) for m in module.modules()]
+        module.train(False)
+        try:
+            return super()._compute_outputs(*args, module=module, **kwargs)
+        finally:
+            for m, training in modes:
+                m.training = training
+
     # torch 2.13's runtime keeps a V-shaped schedule's backward actions in its forward-only
     # eval(); their backward is skipped, but the hand-over of input gradients between the two
     # stages of one rank is not, and fails: with no backward there is nothing to hand over
