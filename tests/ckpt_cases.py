@@ -1,0 +1,150 @@
+"""Rank functions of the checkpoint tests (module level, so spawned ranks can import them).
+
+One small model (an input projection, a dense block, an MoE block with aux-loss-free expert biases,
+a head) trained with torch's AdamW under a named layout on a fixed global batch per step; each rank
+takes its rows. ``run`` trains from scratch or from a checkpoint and returns the dp-mean loss of
+every step, the whole model's final weights (this rank's experts at their global rows) and buffers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moe import MoEConfig, MoELayer, update_expert_biases
+from routing_kernels.runtime import expert_shard
+from zero import Layout, ZeroEngine
+from zero import checkpoint as zc
+
+D, F, E, ROWS, SEQ = 16, 24, 4, 4, 3  # ROWS: global sequences per step (divisible by dp = 1, 2, 4)
+STEPS, SAVE_AT = 6, 3
+# name -> (world, ep, stage, offload): the issue's reshard matrix
+LAYOUTS = {
+    "single": (1, 1, 0, False),
+    "dp2_z1_offload": (2, 1, 1, True),
+    "ep2_z3": (4, 2, 3, False),
+    "ep4_z2": (4, 4, 2, False),
+}
+# stage 0 on 2 ranks: every parameter replicated (saved, and loaded by one process, besides the matrix)
+REPLICATED = {"dp2_z0": (2, 1, 0, False)}
+LAYOUTS_ALL = {**LAYOUTS, **REPLICATED}
+
+
+class Net(nn.Module):
+    def __init__(self, layout: Layout):
+        super().__init__()
+        cfg = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=2, expert_bias=True, bias_update_rate=1e-2)
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.LayerNorm(D), nn.Linear(D, F), nn.GELU(), nn.Linear(F, D)),
+            MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group),
+        ])
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def build(layout: Layout, stage: int, offload: bool) -> ZeroEngine:
+    """The same initial model on every layout: built whole, then this rank's experts copied in."""
+    torch.manual_seed(0)
+    whole = dict(Net(Layout.single()).named_parameters())
+    net = Net(layout)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            mark = expert_shard(p)
+            src = whole[n] if mark is None else whole[n][mark.offset : mark.offset + p.shape[0]]
+            p.copy_(src)
+    # eps 1e-4: Adam would forgive a wrongly scaled state at the usual 1e-8 (docs/design.md)
+    return ZeroEngine(net, layout, stage=stage, offload=offload, max_grad_norm=0.5,
+                      optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-2, eps=1e-4, weight_decay=0.1, foreach=True))
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(ROWS, SEQ, D, generator=g)
+    return x, torch.tanh(x[..., :4].sum(-1, keepdim=True))  # a fixed teacher: something to learn
+
+
+def train_steps(engine: ZeroEngine, layout: Layout, start: int, stop: int, save=None) -> list[float]:
+    """Steps ``start..stop-1``; ``save=(path, after, group)`` saves once ``after`` steps are done."""
+    losses = []
+    rows = slice(layout.dp_rank * ROWS // layout.dp, (layout.dp_rank + 1) * ROWS // layout.dp)
+    for s in range(start, stop):
+        x, y = batch(s)
+        loss = ((engine(x[rows]) - y[rows]) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        update_expert_biases(engine.module)
+        total = loss.detach().clone()
+        if layout.dp_group is not None:
+            dist.all_reduce(total, group=layout.dp_group)
+        losses.append(total.item() / layout.dp)
+        if save is not None and s + 1 == save[1]:
+            path, _, group = save
+            zc.save(engine, path, step=s + 1, group=group)
+            if layout.rank == 0:
+                zc.finish(path)
+    return losses
+
+
+def final_state(engine: ZeroEngine) -> dict:
+    """Weights (experts: this rank's slice with its global offset) and buffers."""
+    weights = {}
+    for n, w in engine.full_parameters().items():
+        p = dict(engine.module.named_parameters())[n]
+        mark = expert_shard(p)
+        weights[n] = (None if mark is None else mark.offset, w)
+    return {"weights": weights, "buffers": {n: b.clone() for n, b in engine.module.named_buffers()}}
+
+
+_layouts: dict = {}
+
+
+def layout_of(name: str) -> Layout | None:
+    """The layout ``name`` on this spawn's ranks; a 2-rank layout inside a 4-rank spawn runs on
+    ranks 0-1 over a subgroup, with the groups ``Layout.build`` makes on 2 processes (None on ranks
+    2-3, which sit that job out)."""
+    world, ep, _, _ = LAYOUTS_ALL[name]
+    if world == 1:
+        return Layout.single()
+    if name not in _layouts:
+        if world == dist.get_world_size():
+            _layouts[name] = Layout.build(ep=ep, num_experts=E)
+        else:
+            assert world == 2 and ep == 1, name
+            group = dist.new_group([0, 1])  # every rank creates it, members or not
+            rank = dist.get_rank()
+            _layouts[name] = Layout(world=2, rank=rank, dp=2, ep=1, dp_group=group, edp_group=group) if rank < 2 else None
+    return _layouts[name]
+
+
+def run(name: str, load: str | None = None, save: str | None = None) -> dict | None:
+    """Layout ``name``: from scratch (saving after SAVE_AT steps into ``save``) or from the
+    checkpoint ``load`` (steps SAVE_AT..STEPS). None on a rank outside the layout."""
+    _, _, stage, offload = LAYOUTS_ALL[name]
+    layout = layout_of(name)
+    if layout is None:
+        return None
+    engine = build(layout, stage, offload)
+    group = layout.dp_group if layout.world != (dist.get_world_size() if dist.is_initialized() else 1) else None
+    start = 0
+    if load is not None:
+        meta = zc.load(engine, load, group=group)
+        start = meta["step"]
+    losses = train_steps(engine, layout, start, STEPS, save=None if save is None else (save, SAVE_AT, group))
+    return dict(final_state(engine), losses=losses, step_count=engine.step_count)
+
+
+def matrix_rank(rank, world, jobs):
+    """Each ``(name, load, save)`` of ``jobs`` in order, every rank waiting for the job to finish
+    everywhere (a later job may load what it saved)."""
+    torch.set_num_threads(1)
+    out = []
+    for name, load, save in jobs:
+        out.append(run(name, load, save))
+        dist.barrier()
+    return out
