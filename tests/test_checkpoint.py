@@ -7,16 +7,17 @@ ep2 ZeRO-3 and ep4 ZeRO-2 (4 ranks), and resumes each checkpoint under every lay
 """
 from __future__ import annotations
 
-import json
+import dataclasses
+import io
 import os
 import pickle
-import warnings
 
 import pytest
 import torch
 
 from tests import ckpt_cases as cc
 from tests.dist_utils import run_distributed
+from zero import Layout
 from zero import checkpoint as zc
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -125,3 +126,136 @@ def test_replicas_are_written_once(matrix):
         stored = sum(info.length for info in md.storage_data.values())
         written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".distcp"))
         assert written == stored, (name, written, stored)
+
+
+# ----- integrity, keep_last, async, safe loading (one process) ----------------------------------
+def _trained_engine(steps: int):
+    engine = cc.build(Layout.single(), 0, False)
+    cc.train_steps(engine, Layout.single(), 0, steps)
+    return engine
+
+
+def _save(engine, root, step):
+    ck = zc.Checkpointer(engine, root, keep_last=10)
+    ck.save(step)
+    return zc.step_dir(root, step)
+
+
+def _first_data_file(path):
+    return sorted(p for p in path.iterdir() if p.suffix == ".distcp")[0]
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete the manifest", "delete a file"])
+def test_damaged_checkpoint_is_named_and_the_older_one_used(tmp_path, damage):
+    engine = _trained_engine(2)
+    old = _save(engine, tmp_path, 2)
+    cc.train_steps(engine, Layout.single(), 2, 3)
+    new = _save(engine, tmp_path, 3)
+    assert zc.verify(old) is None and zc.verify(new) is None
+    data = _first_data_file(new)
+    if damage == "flip a byte":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+        expect = f"file {data.name} does not match its SHA-256"
+    elif damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-10])
+        expect = f"file {data.name} has"
+    elif damage == "delete the manifest":
+        (new / zc.MANIFEST).unlink()
+        expect = "no MANIFEST.json"
+    else:
+        (new / zc.META).unlink()
+        expect = f"file {zc.META} is missing"
+    assert expect in zc.verify(new)
+    with pytest.warns(UserWarning, match=f"skipping checkpoint {new}: {expect}"):
+        assert zc.latest_complete(tmp_path) == old
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        assert zc.Checkpointer(engine, tmp_path).latest() == old
+    # an explicit path is verified too: an error naming the checkpoint and the file
+    fresh = cc.build(Layout.single(), 0, False)
+    with pytest.raises(ValueError, match=f"checkpoint {new} is incomplete or corrupt: {expect}"):
+        zc.load(fresh, new)
+    assert zc.load(fresh, old)["step"] == 2
+
+
+def test_keep_last_never_deletes_the_only_complete_checkpoint(tmp_path):
+    engine = _trained_engine(1)
+    with pytest.raises(ValueError, match="keep_last=1 must be an integer >= 2"):
+        zc.Checkpointer(engine, tmp_path, keep_last=1)
+    ck = zc.Checkpointer(engine, tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        ck.save(step)
+    assert [s for s, _ in zc.list_checkpoints(tmp_path)] == [3, 2]
+    # newer incomplete ones (a save that died) are not counted and not touched; older ones go
+    (zc.step_dir(tmp_path, 2) / zc.MANIFEST).unlink()
+    for step in (4, 5):
+        zc.step_dir(tmp_path, step).mkdir()
+    assert zc.prune(tmp_path, 2) == [zc.step_dir(tmp_path, 2)]
+    assert [s for s, _ in zc.list_checkpoints(tmp_path)] == [5, 4, 3]
+    (zc.step_dir(tmp_path, 3) / zc.MANIFEST).unlink()
+    assert zc.prune(tmp_path, 2) == []
+    with pytest.warns(UserWarning, match="no MANIFEST.json"):
+        assert zc.latest_complete(tmp_path, check=False) is None
+
+
+def test_async_save_writes_the_state_at_the_save(tmp_path):
+    """The step after an async save changes the weights while the files are being written; the
+    checkpoint holds the state at the save (staged before save() returned)."""
+    engine = _trained_engine(2)
+    at_save = {n: w.clone() for n, w in engine.full_parameters().items()}
+    ck = zc.Checkpointer(engine, tmp_path, async_save=True)
+    path = ck.save(2)
+    cc.train_steps(engine, Layout.single(), 2, 3)
+    ck.close()
+    assert zc.verify(path) is None
+    fresh = cc.build(Layout.single(), 0, False)
+    zc.load(fresh, path)
+    for n, w in fresh.full_parameters().items():
+        assert torch.equal(w, at_save[n]), n
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))  # what a malicious pickle does: call anything on load
+
+
+def _rewrite_manifest(path):
+    """What an attacker can do as well: the manifest guards against accidents, not against intent."""
+    for p in [path / zc.MANIFEST, *path.glob("__sums_*.json")]:
+        p.unlink()
+    zc.finish(path)  # without the ranks' sums, rank 0 digests every file itself
+
+
+def test_a_malicious_pickle_in_a_checkpoint_does_not_run(tmp_path):
+    engine = _trained_engine(1)
+    path = _save(engine, tmp_path / "ck", 1)
+    marker = tmp_path / "pwned"
+    fresh = cc.build(Layout.single(), 0, False)
+    # 1. DCP's .metadata (a plain pickle)
+    good = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    _rewrite_manifest(path)
+    with pytest.raises(pickle.UnpicklingError, match="posix.mkdir"):
+        zc.load(fresh, path)
+    assert not marker.exists()
+    # 2. a tensor's payload in a data file (read by DCP with torch.load(weights_only=True))
+    (path / ".metadata").write_bytes(good)
+    md = zc.SafeReader(path).read_metadata()
+    index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn.startswith(zc.PARAM))
+    data = path / info.relative_path
+    buf = io.BytesIO()
+    torch.save(_Evil(marker), buf)
+    raw = data.read_bytes()
+    data.write_bytes(raw + buf.getvalue())
+    md.storage_data[index] = dataclasses.replace(info, offset=len(raw), length=len(buf.getvalue()))
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    _rewrite_manifest(path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="unsupported GLOBAL posix.mkdir"):
+        zc.load(fresh, path)
+    assert not marker.exists()

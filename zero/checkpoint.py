@@ -22,7 +22,8 @@ name, e.g. ``blocks.3.moe.experts.w1``):
 - ``optim/<key>/<name>``: the optimizer's per-element state (AdamW's ``exp_avg``/``exp_avg_sq``,
   SGD's ``momentum_buffer``) chunked exactly like the weights, and its per-tensor scalars (``step``)
   as plain tensors.
-- ``buffer/<name>``: every buffer of the model (routers' expert biases, load accumulators), as is.
+- ``buffer/<name>``: every buffer of the model's ``state_dict`` (routers' expert biases), as is;
+  ``transient_buffer/<name>``: the other buffers (load accumulators), for an exact resume.
 - ``shape/<name>``: each parameter's global shape (int64), for consolidation.
 - ``rng/<rank>/...``: each rank's torch (CPU, CUDA) and Python RNG states.
 
@@ -45,6 +46,8 @@ classes, ``torch.Size``, dtypes, layouts and paths; byte items are refused.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import io
 import json
@@ -76,6 +79,7 @@ META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SUMS = "__sums_{}.json"
 PARAM, OPTIM, BUFFER, SHAPE, RNG = "param/", "optim/", "buffer/", "shape/", "rng/"
+TRANSIENT = "transient_buffer/"  # a buffer outside the module's state_dict (e.g. a load accumulator)
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -355,11 +359,21 @@ def _entries(engine, rank: int, rng: bool):
                         scalar = value.detach().clone().cpu() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
                         tensors[key] = scalar
                         scalars.append((key, t, skey))
-    for name, buf in engine.module.named_buffers():
-        tensors[BUFFER + name] = buf
+    for name, buf, persistent in _buffers(engine.module):
+        tensors[(BUFFER if persistent else TRANSIENT) + name] = buf
     if rng:
         tensors.update(_rng_entries(rank))
     return tensors, chunks, scalars
+
+
+def _buffers(module: torch.nn.Module):
+    """``(name, buffer, persistent)`` of every buffer: persistent ones are part of the module's
+    ``state_dict`` (and of a consolidated checkpoint), the others are saved for an exact resume."""
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None:
+                full = f"{mod_name}.{name}" if mod_name else name
+                yield full, buf, name not in mod._non_persistent_buffers_set
 
 
 @torch.no_grad()
@@ -396,6 +410,14 @@ def _agree(problem: str | None, group) -> None:
         raise ValueError(problem)
 
 
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns on every single-process save and load that it assumes one process: we asked for it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _rank(group) -> int:
     """This process's rank in the checkpoint's group (every process of the group takes part)."""
     return dist.get_rank(group) if dist.is_initialized() else 0
@@ -425,7 +447,6 @@ def new_group(timeout_s: float | None = None):
         return None
     from .layout import _collective_timeout_s
 
-    import datetime
     t = timeout_s if timeout_s is not None else _collective_timeout_s
     return dist.new_group(backend="gloo", timeout=None if t is None else datetime.timedelta(seconds=t))
 
@@ -453,9 +474,10 @@ def save(engine, path: str | os.PathLike, *, step: int | None = None, extra: dic
     tensors, chunks, _ = _entries(engine, rank, rng)
     kw = dict(storage_writer=_Writer(path, sync_files=True), planner=_ChunkSavePlanner(chunks), process_group=group,
               no_dist=not _distributed(group))
-    if async_save:
-        return dcp.async_save(tensors, **kw)
-    dcp.save(tensors, **kw)
+    with _quiet():
+        if async_save:
+            return dcp.async_save(tensors, **kw)
+        dcp.save(tensors, **kw)
     return None
 
 
@@ -506,8 +528,9 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
         tensors.update(rng_now)
     problem = _check_against(tensors, chunks, saved, meta, path)
     _agree(problem, group)
-    dcp.load(tensors, storage_reader=reader, planner=_ChunkLoadPlanner(chunks), process_group=group,
-             no_dist=not _distributed(group))
+    with _quiet():
+        dcp.load(tensors, storage_reader=reader, planner=_ChunkLoadPlanner(chunks), process_group=group,
+                 no_dist=not _distributed(group))
 
     problem = None
     for f in engine.flats:  # shapes, not only sizes, must agree
