@@ -87,6 +87,18 @@ ModelConfig = _schema_from(TransformerConfig, "ModelConfig", exclude=("moe",))
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints (``experiments.checkpoint``, ``zero.checkpoint``)."""
+
+    every: int = 100  # save every this many steps and at the end; 0: never (no final save either)
+    dir: Optional[str] = None  # null: <run dir>/checkpoints; set it (or hydra.run.dir) for restarts to find it
+    keep_last: int = 2  # complete checkpoints kept (>= 2: an older one survives while the next is written)
+    # DCP async save: the loop waits only while the state is copied; files and manifest follow in a
+    # background thread (a Python keyword cannot be a key, hence not `async`)
+    async_save: bool = False
+
+
+@dataclass
 class TrainLoopConfig:
     steps: int = 400  # optimizer steps
     batch_size: int = 16  # GLOBAL sequences per optimizer step; each of dp ranks takes batch_size / dp
@@ -97,6 +109,10 @@ class TrainLoopConfig:
     eval_every: int = 100  # validation every this many steps, and at the last step
     eval_batches: int = 8  # global batches of the validation split per evaluation (fixed: same windows every time)
     progress: bool = True  # tqdm progress bar (rank 0 only)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # auto: the newest complete checkpoint in train.checkpoint.dir, else a fresh start; none: fresh;
+    # a path: that checkpoint (a step_<N> directory, or a checkpoint dir: its newest complete one)
+    resume: str = "auto"
 
 
 @dataclass

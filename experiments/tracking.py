@@ -35,6 +35,8 @@ def hydra_job_info() -> dict:
 class Tracker:
     """``logger=none``: metrics.jsonl is written by the training loop; nothing else to do."""
 
+    run_id: str | None = None  # what a resumed run passes back to continue the same tracked run
+
     def log(self, metrics: dict, step: int) -> None:
         pass
 
@@ -46,7 +48,7 @@ class Tracker:
 
 
 class WandbTracker(Tracker):
-    def __init__(self, cfg: DictConfig, run_dir: Path):
+    def __init__(self, cfg: DictConfig, run_dir: Path, run_id: str | None = None):
         import wandb
 
         lcfg = cfg.logger
@@ -63,7 +65,10 @@ class WandbTracker(Tracker):
             dir=str(run_dir),
             # resolved, so wandb shows values rather than ${...} strings
             config=OmegaConf.to_container(cfg, resolve=True),
+            # a run resumed from a checkpoint continues the run that saved it
+            id=run_id, resume="allow" if run_id else None,
         )
+        self.run_id = self.run.id
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
@@ -88,20 +93,27 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=1 if failed else 0)  # a crashed run shows as failed, not finished
 
 
-def make_tracker(cfg: DictConfig, run_dir: Path, rank: int) -> Tracker:
+def make_tracker(cfg: DictConfig, run_dir: Path, rank: int, run_id: str | None = None) -> Tracker:
     name = cfg.logger.name
     if name not in ("wandb", "none"):
         raise ValueError(f"logger.name={name!r} is invalid: expected 'wandb' or 'none'")
     if rank != 0 or name == "none":
         return Tracker()
-    return WandbTracker(cfg, run_dir)
+    return WandbTracker(cfg, run_dir, run_id)
 
 
 class MetricsFile:
-    """metrics.jsonl: one JSON object per logged step, flushed as it goes so a killed run keeps its rows."""
+    """metrics.jsonl: one JSON object per logged step, flushed as it goes so a killed run keeps its rows.
+    ``keep_until``: a run resumed at that step into the same run dir keeps the rows up to it (a killed
+    run may have logged steps after its last checkpoint: they are trained again) and appends."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, keep_until: int | None = None):
+        kept = []
+        if path is not None and keep_until is not None and Path(path).is_file():
+            kept = [l for l in Path(path).read_text().splitlines() if l.strip() and json.loads(l)["step"] <= keep_until]
         self.f = open(path, "w") if path is not None else None
+        for line in kept:
+            self.f.write(line + "\n")
 
     def write(self, row: dict) -> None:
         if self.f is not None:

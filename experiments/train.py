@@ -33,6 +33,7 @@ import moe
 import routing_kernels
 import zero
 from experiments import schema  # the config schema (Hydra's ConfigStore) and the ${div:} resolver
+from experiments.checkpoint import TrainCheckpoints, check_checkpoint_cfg
 from experiments.data import LMData, build_data
 from experiments.tracking import MetricsFile, hydra_job_info, make_tracker
 from moe.model import Transformer, TransformerConfig
@@ -255,6 +256,7 @@ def _check_train_cfg(cfg: DictConfig, layout: zero.Layout, plan: PipelinePlan | 
                          f"x parallel.pp_microbatches={plan.microbatches}: every micro-batch of the pipeline has the same rows")
     if t.grad_clip < 0:
         raise ValueError(f"train.grad_clip={t.grad_clip} is invalid: expected >= 0 (0 disables clipping)")
+    check_checkpoint_cfg(cfg)
     if cfg.precision not in ("fp32", "bf16"):
         raise ValueError(f"precision={cfg.precision!r} is invalid: expected 'fp32' or 'bf16'")
 
@@ -304,9 +306,12 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     else:
         engine = build_engine(cfg, model, layout)
     unigram = data.unigram_entropy("val")
+    ckpts = TrainCheckpoints(cfg, engine, layout, run_dir)
+    resumed = ckpts.resume() or {}  # weights, optimizer, buffers and RNG are loaded; the loop's own state
+    start = resumed.get("step", 0)
 
-    tracker = make_tracker(cfg, run_dir if run_dir is not None else Path("."), layout.rank)
-    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and rank0 else None)
+    tracker = make_tracker(cfg, run_dir if run_dir is not None else Path("."), layout.rank, run_id=resumed.get("wandb_id"))
+    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and rank0 else None, keep_until=start if resumed else None)
     stats = MoEStatSums({l: layer_index[l] for l in model.moe_layers()}, len(all_layers),
                         all_layers[0].cfg.num_experts if all_layers else 0, device)
     accum = tcfg.grad_accum
@@ -333,11 +338,13 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                 "t": time.perf_counter(), "eval_s": 0.0}
 
     acc = fresh()
-    logged_losses, val_loss, val_history = [], None, []
+    logged_losses, val_loss = resumed.get("logged_losses", []), resumed.get("val_loss")
+    val_history = [tuple(v) for v in resumed.get("val_history", [])]
+    status, done = "completed", start
     t_start = time.perf_counter()
-    bar = tqdm(total=tcfg.steps, disable=not (rank0 and tcfg.progress), dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=tcfg.steps, initial=start, disable=not (rank0 and tcfg.progress), dynamic_ncols=True, file=sys.stderr)
     try:
-        for step in range(tcfg.steps):
+        for step in range(start, tcfg.steps):
             lr = lr_at(step, cfg.optim, tcfg.steps)
             engine.lr = lr
             x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
@@ -367,13 +374,15 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             bar.update(1)
 
             last = done == tcfg.steps
+            stop = ckpts.stop_requested()  # SIGTERM/SIGUSR1 on any rank: every rank saves and stops here
+            save_now = ckpts.due(done, last) or stop  # a checkpoint step is a log step: nothing half-summed is lost
             row_val = None
             if done % tcfg.eval_every == 0 or last:
                 t_eval = time.perf_counter()
                 val_loss = row_val = evaluate(model, data, cfg, layout, device, pipe)
                 val_history.append((done, val_loss))
                 acc["eval_s"] += time.perf_counter() - t_eval
-            if done % tcfg.log_every == 0 or last or row_val is not None:
+            if done % tcfg.log_every == 0 or last or row_val is not None or save_now:
                 n = acc["n"]
                 loss_mean = _all_reduce_(acc["loss"].clone().reshape(1), layout).item() / layout.dp / n
                 elapsed = time.perf_counter() - acc["t"] - acc["eval_s"]
@@ -406,16 +415,27 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                         post["val"] = f"{val_loss:.3f}"
                     bar.set_postfix(post, refresh=False)
                 acc = fresh()
+            if save_now:
+                ckpts.save(done, {"logged_losses": logged_losses, "val_history": val_history, "val_loss": val_loss,
+                                  "wandb_id": tracker.run_id}, OmegaConf.to_yaml(cfg, resolve=True))
+            if stop:
+                status = "preempted"
+                break
     except BaseException:
         bar.close()
         metrics.close()
+        ckpts.close()
         if rank0:
             tracker.finish(failed=True)
         raise
     bar.close()
     metrics.close()
+    ckpts.close()
     wall = time.perf_counter() - t_start
     summary = {
+        "status": status,  # or "preempted": stopped by SIGTERM/SIGUSR1 after step "last_step", saved there
+        "last_step": done,
+        "resumed_from_step": start if resumed else None,
         "final_val_loss": val_loss,
         "unigram_entropy": unigram,
         "val_history": val_history,
@@ -426,7 +446,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         "params_active": params["active"],
         "moe_layers": len(all_layers),
         "time_s": wall,
-        "tokens_per_s": tcfg.steps * tokens_per_step / wall,
+        "tokens_per_s": (done - start) * tokens_per_step / wall,  # of the steps this run trained
         "overrides": hydra_job_info().get("overrides", []),
         "layout": {"world": layout.world, "rank": layout.rank, "dp": layout.dp, "ep": layout.ep, "pp": layout.pp},
     }
@@ -434,9 +454,14 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         tracker.finish(summary)
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"done: {tcfg.steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s ({summary['tokens_per_s']:.0f} tokens/s)\n"
-              f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
-              f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits", flush=True)
+        if status == "preempted":
+            where = f"checkpoint {ckpts.ckpt.last_saved}" if ckpts.ckpt.last_saved is not None else "no checkpoint (train.checkpoint.every=0 or no dir)"
+            print(f"preempted after step {done} of {tcfg.steps}: {where}; launch again with the same checkpoint dir "
+                  f"(train.resume=auto) to continue", flush=True)
+        elif val_loss is not None:
+            print(f"done: {tcfg.steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s ({summary['tokens_per_s']:.0f} tokens/s)\n"
+                  f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
+                  f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits", flush=True)
     if keep_weights:  # after summary.json: tensors are not JSON
         summary["weights"] = engine.full_parameters()  # a collective: every rank calls it
     return summary

@@ -148,3 +148,59 @@ def matrix_rank(rank, world, jobs):
         out.append(run(name, load, save))
         dist.barrier()
     return out
+
+
+# ----- the trainer ---------------------------------------------------------------------------
+TRAIN = ["model=tiny", "logger=none", "train.progress=false", "train.batch_size=4", "train.seq_len=16",
+         "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=6", "train.log_every=1", "train.eval_every=3",
+         "train.checkpoint.every=3", "moe.expert_bias=true"]
+
+
+def train_cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from experiments import schema  # noqa: F401  (registers the schema)
+
+    conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return compose("train", overrides=[*TRAIN, *overrides])
+
+
+def signal_at(step: int, signum: int):
+    """Patch this process's batch drawing to send ``signum`` to itself while drawing the training
+    batch of step index ``step`` (so that step runs to its end with the signal pending)."""
+    import os
+
+    from experiments.data import LMData
+
+    original = LMData.get_batch
+
+    def get_batch(self, split, s, *args, **kw):
+        if split == "train" and s == step:
+            os.kill(os.getpid(), signum)
+        return original(self, split, s, *args, **kw)
+
+    LMData.get_batch = get_batch
+    return lambda: setattr(LMData, "get_batch", original)
+
+
+def trainer_rank(rank, world, root, single_ckpt):
+    """On 2 ranks (ep2, ZeRO-3): the uninterrupted run; a run SIGTERMed (rank 0 only) while drawing
+    step index 3's batch, which must save after step 4 and stop; its resumption (train.resume=auto,
+    same dir); and a resumption of the single-process checkpoint ``single_ckpt``."""
+    import signal
+
+    from experiments.train import train
+
+    torch.set_num_threads(1)
+    layout = ["parallel=ep2", "parallel.zero_stage=3"]
+    out = {"full": train(train_cfg(*layout), run_dir=f"{root}/full", keep_weights=True)}
+    undo = signal_at(3, signal.SIGTERM) if rank == 0 else (lambda: None)
+    try:
+        out["preempted"] = train(train_cfg(*layout), run_dir=f"{root}/pre")
+    finally:
+        undo()
+    out["resumed"] = train(train_cfg(*layout), run_dir=f"{root}/pre", keep_weights=True)
+    out["from_single"] = train(train_cfg(*layout, f"train.resume={single_ckpt}"), run_dir=f"{root}/from_single",
+                               keep_weights=True)
+    return out

@@ -22,8 +22,7 @@ name, e.g. ``blocks.3.moe.experts.w1``):
 - ``optim/<key>/<name>``: the optimizer's per-element state (AdamW's ``exp_avg``/``exp_avg_sq``,
   SGD's ``momentum_buffer``) chunked exactly like the weights, and its per-tensor scalars (``step``)
   as plain tensors.
-- ``buffer/<name>``: every buffer of the model's ``state_dict`` (routers' expert biases), as is;
-  ``transient_buffer/<name>``: the other buffers (load accumulators), for an exact resume.
+- ``buffer/<name>``: every buffer of the model's ``state_dict`` (routers' expert biases), as is.
 - ``shape/<name>``: each parameter's global shape (int64), for consolidation.
 - ``rng/<rank>/...``: each rank's torch (CPU, CUDA) and Python RNG states.
 
@@ -79,7 +78,6 @@ META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SUMS = "__sums_{}.json"
 PARAM, OPTIM, BUFFER, SHAPE, RNG = "param/", "optim/", "buffer/", "shape/", "rng/"
-TRANSIENT = "transient_buffer/"  # a buffer outside the module's state_dict (e.g. a load accumulator)
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -359,21 +357,21 @@ def _entries(engine, rank: int, rng: bool):
                         scalar = value.detach().clone().cpu() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
                         tensors[key] = scalar
                         scalars.append((key, t, skey))
-    for name, buf, persistent in _buffers(engine.module):
-        tensors[(BUFFER if persistent else TRANSIENT) + name] = buf
+    for name, buf in _persistent_buffers(engine.module):
+        tensors[BUFFER + name] = buf
     if rng:
         tensors.update(_rng_entries(rank))
     return tensors, chunks, scalars
 
 
-def _buffers(module: torch.nn.Module):
-    """``(name, buffer, persistent)`` of every buffer: persistent ones are part of the module's
-    ``state_dict`` (and of a consolidated checkpoint), the others are saved for an exact resume."""
+def _persistent_buffers(module: torch.nn.Module):
+    """``(name, buffer)`` of the buffers in the module's ``state_dict``. A non-persistent buffer is
+    derived (rotary tables) or must be transient between steps (``MoELayer.load_since_update`` is
+    zeroed by the bias update that ends each step), so it is not saved."""
     for mod_name, mod in module.named_modules():
         for name, buf in mod.named_buffers(recurse=False):
-            if buf is not None:
-                full = f"{mod_name}.{name}" if mod_name else name
-                yield full, buf, name not in mod._non_persistent_buffers_set
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf
 
 
 @torch.no_grad()
@@ -552,6 +550,13 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
     return meta
 
 
+def read_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """One process: fill each tensor of ``tensors`` (the key's whole saved tensor, e.g. a full
+    flattened parameter) from the checkpoint, assembling it from every chunk any rank wrote."""
+    with _quiet():
+        dcp.load(tensors, storage_reader=SafeReader(path), planner=_ChunkLoadPlanner({}), no_dist=True)
+
+
 def _check_against(tensors, chunks, saved, meta, path) -> str | None:
     missing = [k for k in tensors if k not in saved]
     if missing:
@@ -636,14 +641,16 @@ class Checkpointer:
         fut.result()
         self._finish(path)
 
-    def latest(self, check: bool = True) -> Path | None:
-        """The newest complete checkpoint under ``root`` (verified against its manifest on rank 0,
-        skipping and naming broken ones), the same on every rank; None if there is none."""
-        found = latest_complete(self.root, check) if self.rank == 0 else None
+    def latest(self, check: bool = True, root: str | os.PathLike | None = None) -> Path | None:
+        """The newest complete checkpoint under ``root`` (default: this checkpointer's), verified
+        against its manifest on rank 0, skipping and naming broken ones; the same on every rank;
+        None if there is none."""
+        root = self.root if root is None else Path(root)
+        found = latest_complete(root, check) if self.rank == 0 else None
         if _distributed(self.group):
             step = torch.tensor([-1 if found is None else int(_STEP_DIR.match(found.name).group(1))], dtype=torch.int64)
             dist.broadcast(step, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
-            found = None if step.item() < 0 else step_dir(self.root, int(step.item()))
+            found = None if step.item() < 0 else step_dir(root, int(step.item()))
         return found
 
     def load(self, path: str | os.PathLike, check: bool = True) -> dict:

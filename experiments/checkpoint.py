@@ -1,0 +1,221 @@
+"""Checkpoints in the trainer (``train.checkpoint.*``, ``train.resume``, preemption) and the
+consolidation command. The storage format and its guarantees are ``zero.checkpoint``'s.
+
+    python -m experiments.checkpoint consolidate <checkpoint> <out>   # -> <out>/model.safetensors (+ config)
+
+``TrainCheckpoints`` is what ``experiments.train`` calls: ``resume()`` before the loop, ``stop_requested()``
+after each step (SIGTERM or SIGUSR1 on any rank, agreed by all), ``due()`` / ``save()``, ``close()``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zero
+from zero import checkpoint as zc
+
+RESUME_CHOICES = ("auto", "none")
+
+
+class Preemption:
+    """SIGTERM and SIGUSR1 (what schedulers send before they stop a job) set a flag instead of
+    ending the process; ``requested()`` is True on every rank once any rank has it (an all-reduce
+    over ``group``, a gloo group: a CPU tensor, no device sync). Handlers are installed only in
+    the main thread, and ``close()`` puts the previous ones back."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, group):
+        self.group = group
+        self.signum: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = signum
+
+    def requested(self) -> bool:
+        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
+
+
+def _checkpoint_or_root(path: Path) -> bool:
+    """True if ``path`` is one checkpoint (rather than a directory of them)."""
+    return any((path / n).exists() for n in (zc.META, zc.MANIFEST, ".metadata"))
+
+
+def check_checkpoint_cfg(cfg) -> None:
+    """``train.checkpoint.*`` and ``train.resume``, before any collective: errors name the key."""
+    c, resume = cfg.train.checkpoint, str(cfg.train.resume)
+    if not isinstance(c.every, int) or c.every < 0:
+        raise ValueError(f"train.checkpoint.every={c.every!r} is invalid: expected an integer >= 0 (0: no checkpoints)")
+    if not isinstance(c.keep_last, int) or c.keep_last < 2:
+        raise ValueError(f"train.checkpoint.keep_last={c.keep_last!r} is invalid: expected an integer >= 2 (the "
+                         f"newest checkpoint is complete only once written; an older one must survive meanwhile)")
+    if resume not in RESUME_CHOICES and not Path(resume).is_dir():
+        raise ValueError(f"train.resume={resume!r} is neither auto, none nor an existing checkpoint directory")
+
+
+class TrainCheckpoints:
+    """The trainer's checkpointing, from ``cfg.train.checkpoint`` and ``cfg.train.resume`` (checked
+    by ``check_checkpoint_cfg`` before any collective). On several ranks two gloo groups are created:
+    one for DCP (an async save runs its collectives in a background thread) and one for the
+    per-step preemption flag."""
+
+    def __init__(self, cfg, engine: zero.ZeroEngine, layout: zero.Layout, run_dir: Path | None):
+        check_checkpoint_cfg(cfg)
+        c = cfg.train.checkpoint
+        self.dir = Path(c.dir) if c.dir else (run_dir / "checkpoints" if run_dir is not None else None)
+        self.resume_from = str(cfg.train.resume)
+        self.every = int(c.every) if self.dir is not None else 0
+        self.layout = layout
+        self.rank0 = layout.rank == 0
+        multi = layout.world > 1
+        self.ckpt = zc.Checkpointer(engine, self.dir if self.dir is not None else ".", keep_last=int(c.keep_last),
+                                    async_save=bool(c.async_save), group=zc.new_group() if multi else None)
+        self.preemption = Preemption(zc.new_group() if multi else None)
+        self.last_saved_step: int | None = None
+
+    def resume(self) -> dict | None:
+        """Load the checkpoint ``train.resume`` asks for into the engine (weights, optimizer, buffers,
+        RNG); returns the trainer state saved with it (``step``, ``logged_losses``, ...) or None
+        for a fresh start."""
+        if self.resume_from == "none":
+            return None
+        if self.resume_from == "auto":
+            if self.dir is None:
+                return None
+            path, check = self.ckpt.latest(), False  # latest() verified it
+        else:
+            given = Path(self.resume_from)
+            path, check = (given, True) if _checkpoint_or_root(given) else (self.ckpt.latest(root=given), False)
+            if path is None:
+                raise ValueError(f"train.resume={self.resume_from!r} holds no complete checkpoint")
+        if path is None:
+            return None
+        meta = self.ckpt.load(path, check=check)
+        self.last_saved_step = int(meta["step"])
+        if self.rank0:
+            w = meta["layout"]
+            print(f"resumed from {path} at step {meta['step']} (saved by world={w['world']} pp={w['pp']} dp={w['dp']} "
+                  f"ep={w['ep']} ZeRO-{w['stage']})", flush=True)
+        return dict(meta["extra"], step=int(meta["step"]))
+
+    def due(self, done: int, last: bool) -> bool:
+        """A periodic save (or the final one) after step ``done``."""
+        return self.every > 0 and (done % self.every == 0 or last) and done != self.last_saved_step
+
+    def stop_requested(self) -> bool:
+        return self.preemption.requested()
+
+    def save(self, done: int, state: dict, config_yaml: str) -> Path | None:
+        """Save after step ``done`` with the trainer's ``state`` (JSON) and the resolved config."""
+        if self.dir is None or done == self.last_saved_step:
+            return None
+        path = self.ckpt.save(done, extra=state, files={"config.yaml": config_yaml})
+        self.last_saved_step = done
+        return path
+
+    def close(self) -> None:
+        try:
+            self.ckpt.close()
+        finally:
+            self.preemption.close()
+
+
+# ----- consolidation ---------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write ``<out>/model.safetensors``: every parameter (full, unsharded, in its global shape) and
+    every ``state_dict`` buffer of the checkpoint, whatever layout saved it, plus its
+    ``config.yaml`` and ``meta.json``. One process, no GPU; one full tensor in memory at a time
+    (each is read from its chunks straight into place and written out before the next)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    problem = zc.verify(checkpoint)
+    if problem is not None:
+        raise ValueError(f"checkpoint {checkpoint} is incomplete or corrupt: {problem}")
+    saved = zc.SafeReader(checkpoint).read_metadata().state_dict_metadata
+    names = sorted(k[len(zc.PARAM):] for k in saved if k.startswith(zc.PARAM))
+    shapes = {zc.SHAPE + n: torch.empty(saved[zc.SHAPE + n].size, dtype=torch.int64) for n in names}
+    zc.read_tensors(checkpoint, shapes)
+    entries = [(n, zc.PARAM + n, tuple(shapes[zc.SHAPE + n].tolist())) for n in names]
+    entries += [(k[len(zc.BUFFER):], k, tuple(saved[k].size)) for k in sorted(saved) if k.startswith(zc.BUFFER)]
+    header, offset = {}, 0
+    for name, key, shape in entries:
+        dtype = saved[key].properties.dtype
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt", "source": str(checkpoint)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "model.safetensors"
+    with open(target.with_name(target.name + ".tmp"), "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, key, shape in entries:
+            md = saved[key]
+            t = torch.empty(md.size, dtype=md.properties.dtype)
+            zc.read_tensors(checkpoint, {key: t})  # a parameter's chunks, from every rank that wrote one
+            f.write(memoryview(t.view(torch.uint8).numpy()))
+            del t
+    target.with_name(target.name + ".tmp").replace(target)
+    for extra in ("config.yaml", zc.META):
+        if (checkpoint / extra).is_file():
+            shutil.copyfile(checkpoint / extra, out / extra)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.checkpoint", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="one model.safetensors (+ config) with full weights, from any layout")
+    c.add_argument("checkpoint", help="a checkpoint directory (step_<N>), or a directory of them (its newest complete)")
+    c.add_argument("out", help="output directory")
+    v = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
+    v.add_argument("checkpoint")
+    args = parser.parse_args(argv)
+    path = Path(args.checkpoint)
+    if args.command == "verify":
+        problem = zc.verify(path)
+        print(f"{path}: {'complete' if problem is None else problem}")
+        return 0 if problem is None else 1
+    if not _checkpoint_or_root(path):
+        found = zc.latest_complete(path)
+        if found is None:
+            print(f"error: {path} holds no complete checkpoint", file=sys.stderr)
+            return 1
+        path = found
+    try:
+        target = consolidate(path, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {target} ({target.stat().st_size:,} bytes) from {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
