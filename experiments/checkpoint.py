@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -42,6 +43,10 @@ class Preemption:
                 self._previous[s] = signal.signal(s, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: stop now, the way the process would have without us
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+            return
         self.signum = signum
 
     def requested(self) -> bool:
@@ -71,6 +76,12 @@ def check_checkpoint_cfg(cfg) -> None:
                          f"newest checkpoint is complete only once written; an older one must survive meanwhile)")
     if resume not in RESUME_CHOICES and not Path(resume).is_dir():
         raise ValueError(f"train.resume={resume!r} is neither auto, none nor an existing checkpoint directory")
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("RANK", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        # torchrun shares its rendezvous store with the workers, and a restarted group then reads
+        # the previous attempt's addresses and fails to connect (torch issue 135712)
+        print("warning: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, "
+              "or a restarted group fails to connect", file=sys.stderr, flush=True)
 
 
 class TrainCheckpoints:
