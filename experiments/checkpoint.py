@@ -79,7 +79,7 @@ def check_checkpoint_cfg(cfg) -> None:
     if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             and os.environ.get("RANK", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
         # torchrun shares its rendezvous store with the workers, and a restarted group then reads
-        # the previous attempt's addresses and fails to connect (torch issue 135712)
+        # the previous attempt's addresses and fails to connect (seen with torch 2.13, gloo)
         print("warning: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, "
               "or a restarted group fails to connect", file=sys.stderr, flush=True)
 

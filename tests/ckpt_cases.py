@@ -18,7 +18,7 @@ from zero import checkpoint as zc
 
 D, F, E, ROWS, SEQ = 16, 24, 4, 4, 3  # ROWS: global sequences per step (divisible by dp = 1, 2, 4)
 STEPS, SAVE_AT = 6, 3
-# name -> (world, ep, stage, offload): the reshard matrix
+# name -> (world, ep, stage, offload): the reshard matrix (each saves; each loads every other)
 LAYOUTS = {
     "single": (1, 1, 0, False),
     "dp2_z1_offload": (2, 1, 1, True),
