@@ -184,15 +184,24 @@ def signal_at(step: int, signum: int):
     return lambda: setattr(LMData, "get_batch", original)
 
 
-def trainer_rank(rank, world, root, single_ckpt):
+PP = ["parallel=pp2", "parallel.pp_microbatches=2"]  # trains like one process with train.grad_accum=2
+
+
+def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
     """On 2 ranks (ep2, ZeRO-3): the uninterrupted run; a run SIGTERMed (rank 0 only) while drawing
     step index 3's batch, which must save after step 4 and stop; its resumption (train.resume=auto,
-    same dir); and a resumption of the single-process checkpoint ``single_ckpt``."""
+    same dir); and a resumption of the single-process checkpoint ``single_ckpt``. Then 2 pipeline
+    stages: a run from scratch (its checkpoints for one process to load) and a resumption of
+    ``single_ga2_ckpt``."""
+    import functools
     import signal
 
-    from experiments.train import train
+    from experiments.data import build_data
+    from experiments.train import train as train_on
 
     torch.set_num_threads(1)
+    cfg = train_cfg()
+    train = functools.partial(train_on, data=build_data(cfg.data, seed=cfg.seed))  # the corpus read once
     layout = ["parallel=ep2", "parallel.zero_stage=3"]
     out = {"full": train(train_cfg(*layout), run_dir=f"{root}/full", keep_weights=True)}
     undo = signal_at(3, signal.SIGTERM) if rank == 0 else (lambda: None)
@@ -203,4 +212,7 @@ def trainer_rank(rank, world, root, single_ckpt):
     out["resumed"] = train(train_cfg(*layout), run_dir=f"{root}/pre", keep_weights=True)
     out["from_single"] = train(train_cfg(*layout, f"train.resume={single_ckpt}"), run_dir=f"{root}/from_single",
                                keep_weights=True)
+    out["pp"] = train(train_cfg(*PP), run_dir=f"{root}/pp")
+    out["pp_from_single"] = train(train_cfg(*PP, f"train.resume={single_ga2_ckpt}"), run_dir=f"{root}/pp_from_single",
+                                  keep_weights=True)
     return out

@@ -272,10 +272,13 @@ TRAIN_WEIGHT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
-    from experiments.data import load_stdlib
+    import functools
+
+    from experiments.data import build_data
     from experiments.train import train
 
-    load_stdlib()  # the data cache exists before the ranks start
+    cfg = cc.train_cfg()
+    train = functools.partial(train, data=build_data(cfg.data, seed=cfg.seed))  # and the cache exists before the ranks start
     root = tmp_path_factory.mktemp("trainer")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -283,14 +286,20 @@ def trainer_runs(tmp_path_factory):
         single = train(cc.train_cfg(), run_dir=root / "single", keep_weights=True)
         at3 = zc.step_dir(root / "single" / "checkpoints", 3)
         single_resumed = train(cc.train_cfg(f"train.resume={at3}"), run_dir=root / "single_resumed", keep_weights=True)
+        # what 2 pipeline stages with 2 micro-batches train like
+        ga2 = train(cc.train_cfg("train.grad_accum=2"), run_dir=root / "single_ga2", keep_weights=True)
+        ga2_at3 = zc.step_dir(root / "single_ga2" / "checkpoints", 3)
+        two = run_distributed(cc.trainer_rank, 2, str(root / "two"), str(at3), str(ga2_at3), timeout=400)
+        pp_at3 = zc.step_dir(root / "two" / "pp" / "checkpoints", 3)
+        ga2["from_pp"] = train(cc.train_cfg("train.grad_accum=2", f"train.resume={pp_at3}"), run_dir=root / "ga2_from_pp",
+                               keep_weights=True)
     finally:
         torch.set_num_threads(n)
-    two = run_distributed(cc.trainer_rank, 2, str(root / "two"), str(at3), timeout=400)
-    return root, single, single_resumed, two
+    return root, single, single_resumed, two, ga2
 
 
 def test_trainer_resumes_bit_for_bit(trainer_runs):
-    root, single, resumed, _ = trainer_runs
+    root, single, resumed, _, _ = trainer_runs
     assert resumed["resumed_from_step"] == 3 and resumed["status"] == "completed"
     assert resumed["train_losses"] == single["train_losses"]  # steps 1-3 from the checkpoint, 4-6 trained
     assert resumed["val_history"] == single["val_history"]
@@ -304,7 +313,7 @@ def test_trainer_resumes_bit_for_bit(trainer_runs):
 
 
 def test_sigterm_saves_on_every_rank_and_resumes_exactly(trainer_runs):
-    root, _, _, two = trainer_runs
+    root, _, _, two, _ = trainer_runs
     for rank, r in enumerate(two):
         assert r["preempted"]["status"] == "preempted" and r["preempted"]["last_step"] == 4, rank
         assert r["resumed"]["resumed_from_step"] == 4, rank
@@ -323,7 +332,7 @@ def _assemble_ranks(per_rank: list[dict], ref: dict) -> dict:
 
 
 def test_trainer_resumes_a_single_process_checkpoint_on_two_ranks(trainer_runs):
-    _, single, _, two = trainer_runs
+    _, single, _, two, _ = trainer_runs
     got = [r["from_single"] for r in two]
     assert got[0]["resumed_from_step"] == 3
     torch.testing.assert_close(torch.tensor(got[0]["train_losses"]), torch.tensor(single["train_losses"]),
@@ -333,13 +342,29 @@ def test_trainer_resumes_a_single_process_checkpoint_on_two_ranks(trainer_runs):
         torch.testing.assert_close(full[name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL, msg=lambda m: f"{name}: {m}")
 
 
+def test_pipeline_stages_and_one_process_resume_each_other(trainer_runs):
+    """Parameters keep the whole model's names on every pipeline stage, so a pp=2 checkpoint is
+    an ordinary one: one process resumes it, and 2 stages resume one process's."""
+    _, _, _, two, ga2 = trainer_runs
+    pp = [r["pp_from_single"] for r in two]
+    for got, what in ((ga2["from_pp"], "one process from pp=2"), (pp[0], "pp=2 from one process")):
+        assert got["resumed_from_step"] == 3, what
+        torch.testing.assert_close(torch.tensor(got["train_losses"]), torch.tensor(ga2["train_losses"]),
+                                   rtol=TRAIN_LOSS_RTOL, atol=0, msg=lambda m: f"{what}: {m}")
+    full = {**pp[0]["weights"], **pp[1]["weights"]}  # each stage holds its own layers, whole
+    for name, w in ga2["weights"].items():
+        torch.testing.assert_close(full[name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL, msg=lambda m: f"pp=2: {name}: {m}")
+        torch.testing.assert_close(ga2["from_pp"]["weights"][name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL,
+                                   msg=lambda m: f"one process from pp=2: {name}: {m}")
+
+
 def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_path):
     from safetensors.torch import load_file
 
     from experiments.checkpoint import main as checkpoint_cli
     from experiments.train import build_model
 
-    root, single, _, _ = trainer_runs
+    root, single, _, _, _ = trainer_runs
     # one process: exactly the weights it trained; ep2 + ZeRO-3 on 2 ranks: the same within rounding
     for src, exact in ((root / "single", True), (root / "two" / "full", False)):
         out = tmp_path / src.name
@@ -364,7 +389,7 @@ def test_torchrun_restarts_after_a_sigkill_and_finishes_like_one_process(trainer
     import sys
     from pathlib import Path
 
-    _, single, _, _ = trainer_runs
+    _, single, _, _, _ = trainer_runs
     run_dir = tmp_path / "tr"
     # without its own rendezvous store per attempt a restarted group reads the old attempt's
     # addresses (README: Restarts)
