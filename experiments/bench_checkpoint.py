@@ -10,8 +10,9 @@ AdamW step (so the optimizer state exists) and then, all ranks together:
   its save returned (the slowest rank's is the checkpoint's time), median over the reps;
 - bytes: the data files written against ``zero.predict_memory``'s model-state bytes of the state a
   checkpoint holds (fp32 weights + Adam moments, each rank's ZeRO-3 share, summed over the ranks);
-- throughput: each rank then writes as many bytes to one file (one ``write`` of a ready buffer,
-  fsync), all ranks at once; the ratio is that plain write's time over the save's;
+- throughput: after each save, each rank writes as many bytes to one file (one ``write`` of a
+  ready buffer, fsync), all ranks at once; the ratio is that plain write's time over the save's
+  (medians); the SHA-256 of the rank's files (part of the save) is timed apart too;
 - load: ``zero.checkpoint.load`` of the same checkpoint (verification of the checksums apart);
 - async: ``Checkpointer(async_save=True).save`` blocks the loop only while the state is copied;
   its stall against the sync save's time.
@@ -97,9 +98,13 @@ def _run(rank, world, port, args, q):
             zc.finish(path)
 
     _timed(save)  # warm-up: DCP's first plan
-    saves = [_timed(save) for _ in range(args.reps)]
     written = _rank_bytes(path, rank)
-    plain = [_plain_write(root / f"plain_{rank}", written) for _ in range(args.reps)]
+    saves, plain = [], []
+    for _ in range(args.reps):  # alternated, so the disk's and the machine's moods fall on both alike
+        saves.append(_timed(save))
+        plain.append(_plain_write(root / f"plain_{rank}", written))
+    digest = statistics.median(_timed(lambda: [zc.file_digest(p) for p in path.glob(f"__{rank}_*.distcp")])
+                               for _ in range(args.reps))
     loads = [_timed(lambda: zc.load(engine, path, check=False)) for _ in range(args.reps)]
     stalls, totals = [], []
     ck = zc.Checkpointer(engine, root / "async", keep_last=2, async_save=True, group=zc.new_group())
@@ -109,7 +114,7 @@ def _run(rank, world, port, args, q):
     ck.close()
     mem = zero.predict_memory(engine.module, stage=3, mixed_precision="fp32", layout=layout)
     predicted = sum(mem[k]["params"] + mem[k]["optimizer"] for k in ("dense", "expert"))
-    q.put((rank, {"save": statistics.median(saves), "load": statistics.median(loads), "plain": statistics.median(plain),
+    q.put((rank, {"save": statistics.median(saves), "digest": digest, "load": statistics.median(loads), "plain": statistics.median(plain),
                   "stall": statistics.median(stalls), "async_total": statistics.median(totals), "written": written,
                   "predicted": predicted, "params": sum(zero.count_params(engine.module, layout).values())}))
     if dist.is_initialized():
@@ -148,10 +153,10 @@ def main(argv=None):
     save = max(x["save"] for x in r)
     print(f"{r[0]['params'] / 1e6:.1f}M parameters, world {args.world} (ep {args.ep}, ZeRO-{args.stage}"
           f"{', offload' if args.offload else ''}), {'nccl' if torch.cuda.is_available() else 'gloo'}, median of {args.reps}")
-    print("| rank | save (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain | async stall (s) | stall / sync save |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rank | save (s) | of which SHA-256 (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain | async stall (s) | stall / sync save |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, x in enumerate(r):
-        print(f"| {i} | {x['save']:.2f} | {x['load']:.2f} | {x['written'] / 1e6:.1f} | {x['plain']:.2f} | "
+        print(f"| {i} | {x['save']:.2f} | {x['digest']:.2f} | {x['load']:.2f} | {x['written'] / 1e6:.1f} | {x['plain']:.2f} | "
               f"{x['plain'] / x['save']:.2f} | {x['stall']:.3f} | {x['stall'] / x['save']:.2f} |")
     print(f"bytes written {written / 1e6:.1f} MB vs predict_memory's model state (fp32 weights + Adam moments) "
           f"{predicted / 1e6:.1f} MB: {written / predicted:.3f}x; checkpoint save {save:.2f} s "

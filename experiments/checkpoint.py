@@ -138,7 +138,7 @@ class TrainCheckpoints:
 
     def save(self, done: int, state: dict, config_yaml: str) -> Path | None:
         """Save after step ``done`` with the trainer's ``state`` (JSON) and the resolved config."""
-        if self.dir is None or done == self.last_saved_step:
+        if self.every == 0 or done == self.last_saved_step:  # every=0 (or no dir): never, preempted or not
             return None
         path = self.ckpt.save(done, extra=state, files={"config.yaml": config_yaml})
         self.last_saved_step = done

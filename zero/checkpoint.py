@@ -45,7 +45,6 @@ classes, ``torch.Size``, dtypes, layouts and paths; byte items are refused.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import io
@@ -408,12 +407,10 @@ def _agree(problem: str | None, group) -> None:
         raise ValueError(problem)
 
 
-@contextlib.contextmanager
-def _quiet():
-    """DCP warns on every single-process save and load that it assumes one process: we asked for it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+# DCP warns on every single-process save and load (and again from an async save's thread) that it
+# assumes one process, even when told so with ``no_dist=True``: noise for us, filtered for DCP only
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        module="torch.distributed.checkpoint")
 
 
 def _rank(group) -> int:
@@ -472,10 +469,9 @@ def save(engine, path: str | os.PathLike, *, step: int | None = None, extra: dic
     tensors, chunks, _ = _entries(engine, rank, rng)
     kw = dict(storage_writer=_Writer(path, sync_files=True), planner=_ChunkSavePlanner(chunks), process_group=group,
               no_dist=not _distributed(group))
-    with _quiet():
-        if async_save:
-            return dcp.async_save(tensors, **kw)
-        dcp.save(tensors, **kw)
+    if async_save:
+        return dcp.async_save(tensors, **kw)
+    dcp.save(tensors, **kw)
     return None
 
 
@@ -526,9 +522,8 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
         tensors.update(rng_now)
     problem = _check_against(tensors, chunks, saved, meta, path)
     _agree(problem, group)
-    with _quiet():
-        dcp.load(tensors, storage_reader=reader, planner=_ChunkLoadPlanner(chunks), process_group=group,
-                 no_dist=not _distributed(group))
+    dcp.load(tensors, storage_reader=reader, planner=_ChunkLoadPlanner(chunks), process_group=group,
+             no_dist=not _distributed(group))
 
     problem = None
     for f in engine.flats:  # shapes, not only sizes, must agree
@@ -553,8 +548,7 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
 def read_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
     """One process: fill each tensor of ``tensors`` (the key's whole saved tensor, e.g. a full
     flattened parameter) from the checkpoint, assembling it from every chunk any rank wrote."""
-    with _quiet():
-        dcp.load(tensors, storage_reader=SafeReader(path), planner=_ChunkLoadPlanner({}), no_dist=True)
+    dcp.load(tensors, storage_reader=SafeReader(path), planner=_ChunkLoadPlanner({}), no_dist=True)
 
 
 def _check_against(tensors, chunks, saved, meta, path) -> str | None:
