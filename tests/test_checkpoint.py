@@ -406,3 +406,39 @@ def test_torchrun_restarts_after_a_sigkill_and_finishes_like_one_process(trainer
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the killed attempt's rows after step 2 were dropped
     assert [s for s, _ in zc.list_checkpoints(run_dir / "checkpoints")] == [6, 4]
+
+
+def test_zero_checkpoint_imports_without_moe_or_hydra():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\n"
+            "for m in ('hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors'): sys.modules[m] = None\n"
+            "import zero.checkpoint\n"
+            "assert 'moe' not in sys.modules, 'zero imports moe'\n")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                            env=dict(os.environ, PYTHONPATH=str(root)))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    import wandb
+
+    from experiments.data import build_data
+    from experiments.train import train
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # a service of this test's own (tests/test_train.py)
+    wb = ["logger=wandb", "logger.mode=offline", "train.eval_every=3"]
+    data = build_data(cc.train_cfg().data, seed=0)
+    try:
+        train(cc.train_cfg(*wb, "train.steps=3"), run_dir=tmp_path / "a", data=data)
+        at3 = zc.step_dir(tmp_path / "a" / "checkpoints", 3)
+        run_id = zc.read_meta(at3)["extra"]["wandb_id"]
+        train(cc.train_cfg(*wb, "train.steps=4", f"train.resume={at3}"), run_dir=tmp_path / "b", data=data)
+    finally:
+        wandb.teardown()  # waits for the service to finish writing the offline runs
+    runs = sorted(p.name for p in tmp_path.glob("*/wandb/offline-run-*"))
+    assert run_id and len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs), (run_id, runs)
