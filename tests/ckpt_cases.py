@@ -188,7 +188,7 @@ PP = ["parallel=pp2", "parallel.pp_microbatches=2"]  # trains like one process w
 
 
 def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
-    """On 2 ranks (ep2, ZeRO-3): the uninterrupted run; a run SIGTERMed (rank 0 only) while drawing
+    """On 2 ranks (ep2, ZeRO-3): the uninterrupted run (async saves); a run SIGTERMed (rank 0 only) while drawing
     step index 3's batch, which must save after step 4 and stop; its resumption (train.resume=auto,
     same dir); and a resumption of the single-process checkpoint ``single_ckpt``. Then 2 pipeline
     stages: a run from scratch (its checkpoints for one process to load) and a resumption of
@@ -203,7 +203,8 @@ def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
     cfg = train_cfg()
     train = functools.partial(train_on, data=build_data(cfg.data, seed=cfg.seed))  # the corpus read once
     layout = ["parallel=ep2", "parallel.zero_stage=3"]
-    out = {"full": train(train_cfg(*layout), run_dir=f"{root}/full", keep_weights=True)}
+    # saved asynchronously: the training it overlaps must not change, and its checkpoints must be complete
+    out = {"full": train(train_cfg(*layout, "train.checkpoint.async_save=true"), run_dir=f"{root}/full", keep_weights=True)}
     undo = signal_at(3, signal.SIGTERM) if rank == 0 else (lambda: None)
     try:
         out["preempted"] = train(train_cfg(*layout), run_dir=f"{root}/pre")

@@ -322,6 +322,10 @@ def test_sigterm_saves_on_every_rank_and_resumes_exactly(trainer_runs):
             assert torch.equal(r["resumed"]["weights"][name], w), (rank, name)
     ckpts = root / "two" / "pre" / "checkpoints"
     assert [s for s, _ in zc.list_checkpoints(ckpts)] == [6, 4]  # keep_last=2: 3 went when 6 was written
+    # the uninterrupted run saved asynchronously: complete checkpoints, and the same training
+    full = root / "two" / "full" / "checkpoints"
+    assert [s for s, _ in zc.list_checkpoints(full)] == [6, 3]
+    assert all(zc.verify(p) is None for _, p in zc.list_checkpoints(full))
     assert json.loads((root / "two" / "pre" / "summary.json").read_text())["status"] == "completed"
 
 
