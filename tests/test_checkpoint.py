@@ -446,3 +446,11 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
         wandb.teardown()  # waits for the service to finish writing the offline runs
     runs = sorted(p.name for p in tmp_path.glob("*/wandb/offline-run-*"))
     assert run_id and len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs), (run_id, runs)
+
+
+def test_a_state_with_non_finite_weights_is_never_saved(tmp_path):
+    engine = _trained_engine(1)
+    engine.flats[-1].master[0] = float("nan")
+    with pytest.raises(ValueError, match="refusing to save .*: parameter .* holds non-finite values"):
+        zc.save(engine, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

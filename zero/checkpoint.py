@@ -395,14 +395,15 @@ def _init_optimizer_state(engine) -> None:
             g["lr"] = lr
 
 
-def _agree(problem: str | None, group) -> None:
+def _agree(problem: str | None, group, elsewhere: str = "another rank could not load its part of the checkpoint "
+                                                          "(see its error)") -> None:
     """Raise on every rank if any rank has a problem (its own message where it has one), so no rank
     enters a collective the others have left."""
     if _distributed(group):
         flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item() and problem is None:
-            problem = "another rank could not load its part of the checkpoint (see its error)"
+            problem = elsewhere
     if problem is not None:
         raise ValueError(problem)
 
@@ -456,17 +457,22 @@ def save(engine, path: str | os.PathLike, *, step: int | None = None, extra: dic
     path = Path(path)
     rank = _rank(group)
     step = engine.step_count if step is None else step
-    if rank == 0:
-        if path.exists():  # an earlier attempt at this step: incomplete from here on, then gone
-            (path / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        write_durably(path / META, json.dumps(_meta(engine, step, extra), indent=1).encode())
-        for name, content in (files or {}).items():
-            write_durably(path / name, content.encode() if isinstance(content, str) else content)
-    if _distributed(group):
-        dist.barrier(group=group)  # the directory is fresh before anyone writes into it
     tensors, chunks, _ = _entries(engine, rank, rng)
+    problem = next((f"refusing to save {path}: parameter {k[len(PARAM):]} holds non-finite values on rank {rank}"
+                    for k in chunks if k.startswith(PARAM) and not torch.isfinite(tensors[k]).all()), None)
+    if rank == 0 and problem is None:
+        try:
+            if path.exists():  # an earlier attempt at this step: incomplete from here on, then gone
+                (path / MANIFEST).unlink(missing_ok=True)
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+            write_durably(path / META, json.dumps(_meta(engine, step, extra), indent=1).encode())
+            for name, content in (files or {}).items():
+                write_durably(path / name, content.encode() if isinstance(content, str) else content)
+        except (OSError, TypeError, ValueError) as e:  # unwritable, or extra not JSON
+            problem = f"cannot save {path}: {type(e).__name__}: {e}"
+    # every rank raises if any cannot save; otherwise the directory is fresh before anyone writes
+    _agree(problem, group, "another rank cannot save (see its error)")
     kw = dict(storage_writer=_Writer(path, sync_files=True), planner=_ChunkSavePlanner(chunks), process_group=group,
               no_dist=not _distributed(group))
     if async_save:
