@@ -178,9 +178,27 @@ RUNS_4 = [
 
 
 def _trainer_runs(rank, world, runs, run_dirs):
+    """Each run's summary and, per optimizer step, the stage-3 gathers it took, how many blocks
+    have sharded weights, and the gathered bytes left after the step."""
+    from zero import ZeroEngine, measure_memory
+
     torch.set_num_threads(1)
-    return [train(cfg_of(*BASE, "parallel=pp2", *overrides), run_dir=run_dir, keep_weights=True)
-            for overrides, run_dir in zip(runs, run_dirs)]
+    step, seen = ZeroEngine.step, []
+
+    def counting_step(self):
+        norm = step(self)
+        seen.append((self.gather_stats["gathers"], sum(u.has_sharded_params() for u in self.units),
+                     measure_memory(self)["gathered"]))
+        return norm
+
+    ZeroEngine.step = counting_step
+    out = []
+    for overrides, run_dir in zip(runs, run_dirs):
+        seen.clear()
+        summary = train(cfg_of(*BASE, "parallel=pp2", *overrides), run_dir=run_dir, keep_weights=True)
+        summary["gathers"] = list(seen)
+        out.append(summary)
+    return out
 
 
 def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
@@ -211,6 +229,13 @@ def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
         for name, w in single["weights"].items():
             torch.testing.assert_close(weights[name], w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m: f"{what}: {name}: {m}")
         assert single["train_losses"][-1] < single["train_losses"][0], what
+        for s in got:
+            counts = s["gathers"]
+            if counts[0][1]:  # ZeRO-3 with sharded blocks: each gathered once per step, whatever m
+                # (the first step also gathers for torch's shape inference; the blocks stay gathered)
+                per_step = [b[0] - a[0] for a, b in zip(counts, counts[1:])]
+                assert per_step == [counts[0][1]] * (STEPS - 1), f"{what}: gathers per step {per_step}"
+                assert all(c[2] == 0 for c in counts), f"{what}: gathered weights left after a step"
 
 
 def test_two_stages_train_like_one_process_under_every_schedule(tmp_path, stdlib):

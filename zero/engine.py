@@ -263,7 +263,12 @@ class ZeroEngine:
     ``keep_gathered_across_microbatches`` (stage 3): gather each block once per optimizer step and
     keep it until the step, for pipeline stages that run several micro-batches through the same
     weights. ``prefetch`` (stage 3): start the next block's gather early. ``sync_module_states``:
-    broadcast the weights from the first rank of each group at start-up.
+    broadcast the weights from the first rank of each group at start-up. ``entries``: the modules
+    whose forward starts a forward pass (default ``[model]``); a pipeline rank passes its stage
+    modules, which run the layers ``model`` holds (``zero.pipeline``). ``start_reduction()``
+    launches the reduction of what ``no_sync()`` accumulated without waiting (``step()`` waits),
+    and ``accumulate_param_grads(params)`` takes gradients that were assigned to ``.grad``
+    directly: the pipeline uses both.
 
     ``engine.lr = x`` sets the lr of every optimizer group (reading it needs them equal); per-group
     learning rates go through ``engine.optimizer.param_groups`` (or a ``torch.optim.lr_scheduler``
