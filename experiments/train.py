@@ -15,7 +15,6 @@ length, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -34,7 +33,8 @@ import routing_kernels
 import zero
 from experiments import schema  # the config schema (Hydra's ConfigStore) and the ${div:} resolver
 from experiments.data import LMData, build_data
-from experiments.tracking import MetricsFile, hydra_job_info, make_tracker
+from experiments.nonfinite import StepGuard
+from experiments.tracking import MetricsFile, hydra_job_info, make_tracker, to_json
 from moe.model import Transformer, TransformerConfig
 
 
@@ -167,7 +167,7 @@ def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Lay
 def _check_train_cfg(cfg: DictConfig, layout: zero.Layout) -> None:
     schema.check_keys(cfg)  # a key added with +key=value that no schema has
     t = cfg.train
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches", "max_bad_steps"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise ValueError(f"train.{key}={t[key]!r} is invalid: expected a positive integer")
     if t.batch_size % (layout.dp * t.grad_accum):
@@ -227,10 +227,16 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
               f"{len(layers)} MoE of {cfg.model.n_layers} blocks; layout: {layout.describe()}; device {device}", flush=True)
         print(f"data: {data.name} {data.info}; train {len(data.train):,} / val {len(data.val):,} tokens", flush=True)
 
-    # running sums since the last log row; tensors, so no step waits for the device unless logging
+    # running sums of one step, and since the last log row over the steps taken (n of steps_run);
+    # tensors, so no step waits for the device unless logging
+    def sums():
+        return {"loss": torch.zeros((), device=device), "aux": torch.zeros((), device=device), "drop": torch.zeros((), device=device),
+                "load": [torch.zeros(l.cfg.num_experts, dtype=torch.long, device=device) for l in layers]}
+
     def fresh():
-        return {"loss": torch.zeros((), device=device), "aux": torch.zeros((), device=device), "drop": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0,
-                "load": [torch.zeros(l.cfg.num_experts, dtype=torch.long, device=device) for l in layers], "t": time.perf_counter(), "eval_s": 0.0}
+        return dict(sums(), gnorm=torch.zeros((), device=device), n=0, steps_run=0, t=time.perf_counter(), eval_s=0.0)
+
+    guard = StepGuard(model, int(tcfg.max_bad_steps), layout.world)  # non-finite steps: skip, count, stop
 
     acc = fresh()
     logged_losses, val_loss, val_history = [], None, []
@@ -241,6 +247,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             lr = lr_at(step, cfg.optim, tcfg.steps)
             engine.lr = lr
             x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
+            cur = sums()
+            aux_LQ = torch.zeros(len(layers), 2, device=device)  # each layer's aux_loss and z_loss
             for m in range(accum):
                 x, y = x_BL[m * micro : (m + 1) * micro].to(device), y_BL[m * micro : (m + 1) * micro].to(device)
                 # micro-batches before the last only accumulate locally: one reduction per step
@@ -250,18 +258,29 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                         logits_BLV = model(x)
                     loss = nnf.cross_entropy(logits_BLV.float().flatten(0, 1), y.flatten())
                     (loss / accum).backward()
-                acc["loss"] += loss.detach() / accum
+                cur["loss"] += loss.detach() / accum
                 for i, layer in enumerate(layers):
-                    acc["load"][i] += layer.stats.tokens_per_expert
+                    cur["load"][i] += layer.stats.tokens_per_expert
                 if layers:
-                    acc["aux"] += sum(l.stats.aux_loss.float() for l in layers) / len(layers) / accum
-                    acc["drop"] += sum(l.stats.dropped_fraction.float() for l in layers) / len(layers) / accum
-            # reduce, clip, the optimizer on this rank's shards; the norm before clipping
-            gnorm = torch.as_tensor(engine.step(), dtype=torch.float32, device=device)
-            moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
-            acc["gnorm"] += gnorm.detach()
-            acc["n"] += 1
+                    aux_LQ += guard.aux_LQ() / accum
+                    cur["drop"] += sum(l.stats.dropped_fraction.float() for l in layers) / len(layers) / accum
+            if layers:
+                cur["aux"] = aux_LQ[:, 0].mean()
+            # reduce, clip, the optimizer on this rank's shards; the norm before clipping. A loss,
+            # aux loss or gradient norm that is non-finite on any rank skips the step on every rank
+            gnorm = torch.as_tensor(engine.step(extra_finite=guard.flags(cur["loss"], aux_LQ)), dtype=torch.float32, device=device)
             done = step + 1
+            acc["steps_run"] += 1
+            if guard.update(engine, done):
+                guard.discard_load()
+            else:
+                moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
+                for k in ("loss", "aux", "drop"):
+                    acc[k] += cur[k]
+                for a, c in zip(acc["load"], cur["load"]):
+                    a += c
+                acc["gnorm"] += gnorm.detach()
+                acc["n"] += 1
             bar.update(1)
 
             last = done == tcfg.steps
@@ -271,21 +290,25 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                 val_loss = row_val = evaluate(model, data, cfg, layout, device)
                 val_history.append((done, val_loss))
                 acc["eval_s"] += time.perf_counter() - t_eval
-            if done % tcfg.log_every == 0 or last or row_val is not None:
+            if done % tcfg.log_every == 0 or last or row_val is not None or guard.stopping:
+                # means over the steps taken since the last row (NaN when every one was skipped:
+                # null in metrics.jsonl); skipped steps are counted, from the start of the run
                 n = acc["n"]
-                loss_mean = _all_reduce_(acc["loss"].clone().reshape(1), layout).item() / layout.dp / n
+                mean = lambda total: total / n if n else math.nan  # noqa: E731
+                loss_mean = mean(_all_reduce_(acc["loss"].clone().reshape(1), layout).item() / layout.dp)
                 elapsed = time.perf_counter() - acc["t"] - acc["eval_s"]
                 row = {
                     "step": done,
                     "loss": loss_mean,
                     "lr": lr,
-                    "tokens_per_s": n * tokens_per_step / max(elapsed, 1e-9),
-                    "grad_norm": acc["gnorm"].item() / n,
+                    "tokens_per_s": acc["steps_run"] * tokens_per_step / max(elapsed, 1e-9),
+                    "grad_norm": mean(acc["gnorm"].item()),
+                    "skipped_steps": engine.skipped_steps,
                 }
                 if layers:
                     # the MoE statistics are already global over dp (the layer reduces them)
-                    row["aux_loss"] = acc["aux"].item() / n
-                    row["dropped_fraction"] = acc["drop"].item() / n
+                    row["aux_loss"] = mean(acc["aux"].item())
+                    row["dropped_fraction"] = mean(acc["drop"].item())
                     load = [l.tolist() for l in acc["load"]]
                     row["load_max_over_mean"] = sum(max(e) / max(sum(e) / len(e), 1e-9) for e in load) / len(load)
                     row["expert_load"] = load
@@ -304,6 +327,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                         post["val"] = f"{val_loss:.3f}"
                     bar.set_postfix(post, refresh=False)
                 acc = fresh()
+            guard.check(lr)  # after train.max_bad_steps skipped steps in a row: NonFiniteError, on every rank
     except BaseException:
         bar.close()
         metrics.close()
@@ -323,6 +347,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         "params_total": params["total"],
         "params_active": params["active"],
         "moe_layers": len(layers),
+        "skipped_steps": engine.skipped_steps,
         "time_s": wall,
         "tokens_per_s": tcfg.steps * tokens_per_step / wall,
         "overrides": hydra_job_info().get("overrides", []),
@@ -331,7 +356,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     if rank0:
         tracker.finish(summary)
         if run_dir is not None:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            (run_dir / "summary.json").write_text(to_json(summary, indent=1))
         print(f"done: {tcfg.steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s ({summary['tokens_per_s']:.0f} tokens/s)\n"
               f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
               f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits", flush=True)
