@@ -99,9 +99,22 @@ def _engine_rank(rank, world):
     return out
 
 
+def _rank(rank, world, runs):
+    return _engine_rank(rank, world), _train_rank(rank, world, runs)
+
+
 @pytest.fixture(scope="module")
-def engine_results():
-    return run_distributed(_engine_rank, 2, timeout=300)
+def dist_results(tmp_path_factory, stdlib):
+    """Every 2-rank run of this module in one spawn (a spawn costs seconds of imports): the engine
+    runs, then the trainer runs of TRAIN_RUNS (directories under the returned path)."""
+    root = tmp_path_factory.mktemp("nonfinite")
+    runs = [(overrides, root / name, nan_steps) for name, overrides, nan_steps in TRAIN_RUNS]
+    return run_distributed(_rank, 2, runs, timeout=400), root
+
+
+@pytest.fixture(scope="module")
+def engine_results(dist_results):
+    return [engine for engine, _ in dist_results[0]]
 
 
 @pytest.mark.parametrize("stage,ep", STAGE_EP)
@@ -216,12 +229,15 @@ def _train_rank(rank, world, runs):
 
 
 TRAIN_LAYOUTS = [[], ["parallel=zero3_ep2"]]  # dp=2 stage 0, and ep=2 under ZeRO-3
+# (run directory, overrides, steps whose loss is NaN on rank 1): one NaN under each layout, then
+# NaN from step k on, which must stop the run
+TRAIN_RUNS = [(f"dist{i}", BASE + extra, {STEP_K}) for i, extra in enumerate(TRAIN_LAYOUTS)]
+TRAIN_RUNS.append(("stop", BASE + ["train.max_bad_steps=2"], set(range(STEP_K, 100))))
 
 
-def test_trainer_skips_a_step_with_a_nan_loss_on_one_rank(tmp_path, stdlib):
-    runs = [(BASE + extra, tmp_path / f"dist{i}", {STEP_K}) for i, extra in enumerate(TRAIN_LAYOUTS)]
-    runs.append((BASE + ["train.max_bad_steps=2"], tmp_path / "stop", set(range(STEP_K, 100))))  # repeated: stop
-    per_rank = run_distributed(_train_rank, 2, runs, timeout=400)
+def test_trainer_skips_a_step_with_a_nan_loss_on_one_rank(dist_results, tmp_path, stdlib):
+    per_rank = [train_runs for _, train_runs in dist_results[0]]
+    run_root = dist_results[1]
     # the reference: one process in which step k's update never happens, built without the skip
     with step_left_out(STEP_K):
         ref = train(cfg_of(*BASE), run_dir=tmp_path / "ref", data=stdlib, keep_weights=True)
@@ -236,11 +252,11 @@ def test_trainer_skips_a_step_with_a_nan_loss_on_one_rank(tmp_path, stdlib):
     for i, extra in enumerate(TRAIN_LAYOUTS):
         summaries = [r[i] for r in per_rank]
         assert [s["skipped_steps"] for s in summaries] == [1, 1], extra
-        rows = strict_rows(tmp_path / f"dist{i}")
+        rows = strict_rows(run_root / f"dist{i}")
         assert [r["skipped_steps"] for r in rows] == [0, 1, 1, 1], extra
         # the only step of row k was skipped: its means are null, the other rows are full
         assert rows[STEP_K - 1]["loss"] is None and rows[STEP_K - 1]["grad_norm"] is None, rows[STEP_K - 1]
-        assert json.loads((tmp_path / f"dist{i}" / "summary.json").read_text())["skipped_steps"] == 1
+        assert json.loads((run_root / f"dist{i}" / "summary.json").read_text())["skipped_steps"] == 1
         # the 2-rank run with the skip trains like one process without the step (test_train's
         # layout tolerances: the runs differ in summation order only)
         got = assemble_weights(summaries, ref["weights"])
@@ -255,7 +271,7 @@ def test_trainer_skips_a_step_with_a_nan_loss_on_one_rank(tmp_path, stdlib):
         assert f"training stopped at step {STEP_K + 1}: 2 consecutive optimizer steps were skipped" in message
         assert "first non-finite quantity was the loss (non-finite on 1 of 2 ranks)" in message
         assert f"it began at step {STEP_K}" in message and "train.max_bad_steps=2" in message
-    rows = strict_rows(tmp_path / "stop")
+    rows = strict_rows(run_root / "stop")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["skipped_steps"] == 2  # a row at the stop
 
 
