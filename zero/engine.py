@@ -535,6 +535,10 @@ class ZeroEngine:
         caller's quantity is finite, e.g. ``torch.isfinite(loss)``; the same shape on every rank),
         is not finite, nothing is updated and the gradients are dropped. ``extra_finite`` travels in
         the norm's all-reduce. ``skip_if_nonfinite=False`` steps anyway (the old behaviour)."""
+        if extra_finite is not None and not (isinstance(extra_finite, torch.Tensor) and extra_finite.dtype == torch.bool):
+            got = f"a tensor of dtype {extra_finite.dtype}" if isinstance(extra_finite, torch.Tensor) else type(extra_finite).__name__
+            raise ValueError(f"extra_finite must be a bool tensor (True where the quantity is finite, e.g. "
+                             f"torch.isfinite(loss)), got {got}")
         if self._backward_open:
             self._finish_backward()
         if self._unreduced:  # every backward of this step ran under no_sync: reduce now
@@ -851,10 +855,6 @@ class ZeroEngine:
             g = f.norm_slice()
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self.device)
         if extra_finite is not None:
-            if not isinstance(extra_finite, torch.Tensor) or extra_finite.dtype != torch.bool:
-                raise ValueError(f"extra_finite must be a bool tensor (True where the quantity is finite, e.g. "
-                                 f"torch.isfinite(loss)), got {type(extra_finite).__name__}"
-                                 f"{'' if not isinstance(extra_finite, torch.Tensor) else ' of dtype ' + str(extra_finite.dtype)}")
             sq = torch.cat([sq, (~extra_finite.reshape(-1)).to(self.device, torch.float32)])
         L = self.layout
         if L.dp_group is not None:
