@@ -97,6 +97,9 @@ class TrainLoopConfig:
     eval_every: int = 100  # validation every this many steps, and at the last step
     eval_batches: int = 8  # global batches of the validation split per evaluation (fixed: same windows every time)
     progress: bool = True  # tqdm progress bar (rank 0 only)
+    # a step whose loss, MoE aux loss or gradient norm is non-finite on any rank is skipped on every
+    # rank; after this many skipped steps in a row the run stops with an error naming the quantity
+    max_bad_steps: int = 10
 
 
 @dataclass

@@ -15,7 +15,6 @@ length, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -34,7 +33,8 @@ import routing_kernels
 import zero
 from experiments import schema  # the config schema (Hydra's ConfigStore) and the ${div:} resolver
 from experiments.data import LMData, build_data
-from experiments.tracking import MetricsFile, hydra_job_info, make_tracker
+from experiments.nonfinite import StepGuard
+from experiments.tracking import MetricsFile, hydra_job_info, make_tracker, to_json
 from moe.model import Transformer, TransformerConfig
 from routing_kernels.runtime import in_backward
 from zero.pipeline import Pipeline, PipelinePlan, plan_pipeline
@@ -219,33 +219,35 @@ class MoEStatSums:
         self._hooks = [layer.register_forward_hook(self._hook(i)) for layer, i in layers.items()]
 
     def reset(self) -> None:
-        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=self.device)
-        self.aux = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
-        self.drop = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
+        self.load_LE = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=self.device)
+        self.aux_LQ = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=self.device)  # aux_loss, z_loss
+        self.drop_L = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
 
     def _hook(self, i: int):
         def hook(layer, args, out):
             if layer.training and not in_backward():
-                self.load[i] += layer.stats.tokens_per_expert
-                self.aux[i] += layer.stats.aux_loss.double()
-                self.drop[i] += layer.stats.dropped_fraction.double()
+                self.load_LE[i] += layer.stats.tokens_per_expert
+                self.aux_LQ[i, 0] += layer.stats.aux_loss.double()
+                self.aux_LQ[i, 1] += layer.stats.z_loss.double()
+                self.drop_L[i] += layer.stats.dropped_fraction.double()
         return hook
 
-    def gathered(self, layout: zero.Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(load, aux, drop) of every MoE layer on every rank: already global over dp (the layers
-        reduce them), summed over the pipeline stages, each of which fills only its own layers;
-        every rank sends the same length, whatever it holds."""
-        flat = torch.cat([self.load.flatten(), self.aux, self.drop])
-        if layout.pp_group is not None:
-            dist.all_reduce(flat, group=layout.pp_group)
-        L, E = self.num_layers, self.num_experts
-        return flat[: L * E].view(L, E), flat[L * E : L * E + L], flat[L * E + L :]
+
+def _sum_over_stages(tensors: list[torch.Tensor], layout: zero.Layout) -> list[torch.Tensor]:
+    """Each tensor summed over the pipeline stages (one all-reduce): per-MoE-layer statistics are
+    already global over dp (the layers reduce them) and each stage fills only its own layers, so
+    the sum is every layer's value on every rank; each rank sends the same length, whatever it holds."""
+    if layout.pp_group is None:
+        return tensors
+    flat = torch.cat([t.reshape(-1).double() for t in tensors])
+    dist.all_reduce(flat, group=layout.pp_group)
+    return list(torch.split(flat, [t.numel() for t in tensors]))
 
 
 def _check_train_cfg(cfg: DictConfig, layout: zero.Layout, plan: PipelinePlan | None = None) -> None:
     schema.check_keys(cfg)  # a key added with +key=value that no schema has
     t = cfg.train
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches", "max_bad_steps"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise ValueError(f"train.{key}={t[key]!r} is invalid: expected a positive integer")
     if t.batch_size % (layout.dp * t.grad_accum):
@@ -296,6 +298,9 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     params = model.param_counts()
     all_layers = model.moe_layers()  # of the whole model; a pipeline rank runs some of them
     layer_index = {layer: i for i, layer in enumerate(all_layers)}
+    # non-finite steps: skip, count, stop; it names every MoE layer of the whole model, and every
+    # rank hands the engine the same flags (the layers of other stages count as finite)
+    guard = StepGuard(model, int(tcfg.max_bad_steps), layout.world)
     pipe = None
     if plan is not None:
         model, chunks = split_model(model, plan, layout)  # the other stages' layers are dropped here
@@ -326,11 +331,14 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             print(f"pipeline: {plan.describe()}", flush=True)
         print(f"data: {data.name} {data.info}; train {len(data.train):,} / val {len(data.val):,} tokens", flush=True)
 
-    # running sums since the last log row; tensors, so no step waits for the device unless logging
+    # running sums since the last log row, over the steps taken (n of steps_run); tensors, so no
+    # step waits for the device unless logging
+    L, E = len(all_layers), stats.num_experts
+
     def fresh():
-        stats.reset()
-        return {"loss": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0,
-                "t": time.perf_counter(), "eval_s": 0.0}
+        return {"loss": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0, "steps_run": 0,
+                "load": torch.zeros(L, E, dtype=torch.float64, device=device), "aux": torch.zeros(L, dtype=torch.float64, device=device),
+                "drop": torch.zeros(L, dtype=torch.float64, device=device), "t": time.perf_counter(), "eval_s": 0.0}
 
     acc = fresh()
     logged_losses, val_loss, val_history = [], None, []
@@ -341,6 +349,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             lr = lr_at(step, cfg.optim, tcfg.steps)
             engine.lr = lr
             x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
+            stats.reset()  # this step's MoE statistics, of the layers this rank runs
+            loss_step = torch.zeros((), device=device)
             for m in range(accum):
                 x, y = x_BL[m * micro : (m + 1) * micro].to(device), y_BL[m * micro : (m + 1) * micro].to(device)
                 if pipe is not None:
@@ -348,7 +358,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                     # reduces after the last backward of the last round
                     with _autocast(cfg, device):
                         losses = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, reduce=m == accum - 1)
-                    acc["loss"] += sum(losses, torch.zeros((), device=device)) / forwards
+                    loss_step += sum(losses, torch.zeros((), device=device)) / forwards
                     continue
                 # micro-batches before the last only accumulate locally: one reduction per step
                 quiet = engine.no_sync() if m < accum - 1 else nullcontext()
@@ -357,13 +367,24 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                         logits_BLV = model(x)
                     loss = lm_loss(logits_BLV, y)
                     (loss / accum).backward()
-                acc["loss"] += loss.detach() / accum
-            # reduce, clip, the optimizer on this rank's shards; the norm before clipping
-            gnorm = torch.as_tensor(engine.step(), dtype=torch.float32, device=device)
-            moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
-            acc["gnorm"] += gnorm.detach()
-            acc["n"] += 1
+                loss_step += loss.detach() / accum
+            # reduce, clip, the optimizer on this rank's shards; the norm before clipping. A loss,
+            # aux loss or gradient norm that is non-finite on any rank skips the step on every rank
+            # (the loss is the last stage's; other stages hand a zero)
+            gnorm = torch.as_tensor(engine.step(extra_finite=guard.flags(loss_step, stats.aux_LQ / forwards)),
+                                    dtype=torch.float32, device=device)
             done = step + 1
+            acc["steps_run"] += 1
+            if guard.update(engine, done):
+                guard.discard_load()
+            else:
+                moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
+                acc["loss"] += loss_step
+                acc["load"] += stats.load_LE
+                acc["aux"] += stats.aux_LQ[:, 0]
+                acc["drop"] += stats.drop_L
+                acc["gnorm"] += gnorm.detach()
+                acc["n"] += 1
             bar.update(1)
 
             last = done == tcfg.steps
@@ -373,22 +394,26 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                 val_loss = row_val = evaluate(model, data, cfg, layout, device, pipe)
                 val_history.append((done, val_loss))
                 acc["eval_s"] += time.perf_counter() - t_eval
-            if done % tcfg.log_every == 0 or last or row_val is not None:
+            if done % tcfg.log_every == 0 or last or row_val is not None or guard.stopping:
+                # means over the steps taken since the last row (NaN when every one was skipped:
+                # null in metrics.jsonl); skipped steps are counted, from the start of the run
                 n = acc["n"]
-                loss_mean = _all_reduce_(acc["loss"].clone().reshape(1), layout).item() / layout.dp / n
+                mean = lambda total: total / n if n else math.nan  # noqa: E731
+                loss_mean = mean(_all_reduce_(acc["loss"].clone().reshape(1), layout).item() / layout.dp)
                 elapsed = time.perf_counter() - acc["t"] - acc["eval_s"]
                 row = {
                     "step": done,
                     "loss": loss_mean,
                     "lr": lr,
-                    "tokens_per_s": n * tokens_per_step / max(elapsed, 1e-9),
-                    "grad_norm": acc["gnorm"].item() / n,
+                    "tokens_per_s": acc["steps_run"] * tokens_per_step / max(elapsed, 1e-9),
+                    "grad_norm": mean(acc["gnorm"].item()),
+                    "skipped_steps": engine.skipped_steps,
                 }
                 if all_layers:
-                    load_LE, aux_L, drop_L = stats.gathered(layout)  # every stage's layers
-                    row["aux_loss"] = aux_L.sum().item() / len(all_layers) / forwards / n
-                    row["dropped_fraction"] = drop_L.sum().item() / len(all_layers) / forwards / n
-                    load = [[int(c) for c in e] for e in load_LE.tolist()]
+                    load_LE, aux_L, drop_L = _sum_over_stages([acc["load"], acc["aux"], acc["drop"]], layout)
+                    row["aux_loss"] = mean(aux_L.sum().item() / L / forwards)
+                    row["dropped_fraction"] = mean(drop_L.sum().item() / L / forwards)
+                    load = [[int(c) for c in e] for e in load_LE.view(L, E).tolist()]
                     row["load_max_over_mean"] = sum(max(e) / max(sum(e) / len(e), 1e-9) for e in load) / len(load)
                     row["expert_load"] = load
                 if row_val is not None:
@@ -406,6 +431,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                         post["val"] = f"{val_loss:.3f}"
                     bar.set_postfix(post, refresh=False)
                 acc = fresh()
+            guard.check(lr)  # after train.max_bad_steps skipped steps in a row: NonFiniteError, on every rank
     except BaseException:
         bar.close()
         metrics.close()
@@ -425,6 +451,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         "params_total": params["total"],
         "params_active": params["active"],
         "moe_layers": len(all_layers),
+        "skipped_steps": engine.skipped_steps,
         "time_s": wall,
         "tokens_per_s": tcfg.steps * tokens_per_step / wall,
         "overrides": hydra_job_info().get("overrides", []),
@@ -433,7 +460,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     if rank0:
         tracker.finish(summary)
         if run_dir is not None:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            (run_dir / "summary.json").write_text(to_json(summary, indent=1))
         print(f"done: {tcfg.steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s ({summary['tokens_per_s']:.0f} tokens/s)\n"
               f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
               f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits", flush=True)

@@ -20,7 +20,8 @@ from moe.model import TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_") and p.name != "experiment")
+# the trainer's groups; conf/hydra holds Hydra's own (hydra/launcher: the submitit plugin's schemas)
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_") and p.name not in ("experiment", "hydra"))
 
 
 def cfg_of(*overrides, conf=CONF):
