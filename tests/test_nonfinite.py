@@ -160,33 +160,24 @@ STEP_K = 2  # counted from 1, as metrics.jsonl counts
 BASE = [*SHORT, "train.steps=4", "train.log_every=1", "train.eval_every=4"]
 
 
-class _NaNLossAt:
-    """``torch.nn.functional`` as experiments.train sees it, except that the training loss
-    (cross_entropy without a reduction argument; evaluate() sums) is NaN at the given steps. Its
-    gradients stay finite: only the loss's own finiteness can tell."""
-
-    def __init__(self, steps):
-        self.steps, self.calls = steps, 0
-
-    def __getattr__(self, name):
-        return getattr(torch.nn.functional, name)
-
-    def cross_entropy(self, *args, **kw):
-        loss = torch.nn.functional.cross_entropy(*args, **kw)
-        if "reduction" in kw:
-            return loss
-        self.calls += 1  # train.grad_accum=1: one call per step
-        return loss + NAN if self.calls in self.steps else loss
-
-
 @contextmanager
 def nan_loss_at(steps):
-    real = train_mod.nnf
-    train_mod.nnf = _NaNLossAt(steps)
+    """``experiments.train.lm_loss`` is NaN at the given steps for the training loss (the mean;
+    evaluate() sums). Its gradients stay finite: only the loss's own finiteness can tell."""
+    real, calls = train_mod.lm_loss, itertools.count(1)
+
+    def lm_loss(logits, y, reduction="mean"):
+        loss = real(logits, y, reduction)
+        if reduction != "mean":
+            return loss
+        # train.grad_accum=1 and no pipeline: one call per step
+        return loss + NAN if next(calls) in steps else loss
+
+    train_mod.lm_loss = lm_loss
     try:
         yield
     finally:
-        train_mod.nnf = real
+        train_mod.lm_loss = real
 
 
 @contextmanager
