@@ -158,7 +158,9 @@ RUNS_2 = [
     (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=2",
       "parallel.zero_stage=3"], 2),
     (["parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"], 4),
-    (["parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4", "parallel.zero_stage=3"], 4),
+    # split backward with activation checkpointing: the input pass recomputes, the weight pass reuses
+    (["parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4", "parallel.zero_stage=3",
+      "model.checkpoint_activations=true"], 4),
     (["parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4",
       "parallel.zero_stage=2", "parallel.zero_offload=true"], 4),
     (["parallel.pp_schedule=gpipe", "parallel.pp_layers=[1,3]", "parallel.pp_microbatches=4", "parallel.zero_stage=1"], 4),  # uneven
