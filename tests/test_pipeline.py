@@ -187,8 +187,8 @@ def _trainer_runs(rank, world, runs, run_dirs):
     torch.set_num_threads(1)
     step, seen = ZeroEngine.step, []
 
-    def counting_step(self):
-        norm = step(self)
+    def counting_step(self, *args, **kwargs):
+        norm = step(self, *args, **kwargs)
         seen.append((self.gather_stats["gathers"], sum(u.has_sharded_params() for u in self.units),
                      measure_memory(self)["gathered"]))
         return norm
