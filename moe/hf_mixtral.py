@@ -339,44 +339,53 @@ def _file_tensors(state: dict[str, torch.Tensor], cfg: TransformerConfig) -> Ite
 # files
 
 
-class _Files:
-    """The tensors of ``model.safetensors`` or of the shards an index lists, read lazily (slices of
-    dimension 0 without reading the rest)."""
+class _Tensors:
+    """Named tensors to read from (a state dict), with slices of dimension 0."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self._state = state
+
+    def keys(self):
+        return self._state.keys()
+
+    def __contains__(self, name):
+        return name in self._state
+
+    def _tensor(self, name: str, lo: int | None, hi: int | None) -> torch.Tensor:
+        t = self._state[name]
+        return t if lo is None else t[lo:hi]
+
+    def get(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(f"the checkpoint has no tensor {name}")
+        return self._tensor(name, lo, hi)
+
+
+class _Files(_Tensors):
+    """The tensors of ``model.safetensors`` or of the shards an index lists, read lazily (a slice of
+    dimension 0 reads only that slice)."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
 
         index, single = path / "model.safetensors.index.json", path / "model.safetensors"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif single.exists():
-            weight_map = None
+            files = [single.name]
         else:
             found = sorted(p.name for p in path.iterdir()) if path.is_dir() else "not a directory"
             raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (found: {found}); "
                                     "only safetensors checkpoints are read")
-        self._open = {}
-        files = sorted(set(weight_map.values())) if weight_map else [single.name]
-        self.where = {}
-        for f in files:
-            handle = safe_open(str(path / f), framework="pt")
-            self._open[f] = handle
-            for k in handle.keys():
-                self.where[k] = f
+        handles = {f: safe_open(str(path / f), framework="pt") for f in files}
+        super().__init__({k: handle for handle in handles.values() for k in handle.keys()})
 
-    def __contains__(self, name):
-        return name in self.where
-
-    def get(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
-        if name not in self.where:
-            raise KeyError(f"the checkpoint has no tensor {name}")
-        handle = self._open[self.where[name]]
-        if lo is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[lo:hi]
+    def _tensor(self, name: str, lo: int | None, hi: int | None) -> torch.Tensor:
+        handle = self._state[name]
+        return handle.get_tensor(name) if lo is None else handle.get_slice(name)[lo:hi]
 
 
-def _read(files: _Files, cfg: TransformerConfig, lo: int, hi: int) -> dict[str, torch.Tensor]:
+def _read(files: _Tensors, cfg: TransformerConfig, lo: int, hi: int) -> dict[str, torch.Tensor]:
     """Our state dict (experts ``[lo, hi)``) from a Mixtral checkpoint of ``cfg``, in either file
     layout; refuses a checkpoint that holds tensors the table does not know (biases, a second
     model...), naming them."""
@@ -398,7 +407,7 @@ def _read(files: _Files, cfg: TransformerConfig, lo: int, hi: int) -> dict[str, 
         state.update({n: torch.zeros(cfg.moe.num_experts) for n in _names(ZERO_IN_MIXTRAL, i)})
     if cfg.tie_embeddings:
         used.add("lm_head.weight")  # transformers ties it to the embedding, whatever the file holds
-    unknown = sorted(n for n in files.where if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    unknown = sorted(n for n in files.keys() if n not in used and not n.endswith(_IGNORED_SUFFIXES))
     if unknown:
         raise ValueError(f"the checkpoint holds tensors a Mixtral model of its config does not have, e.g. {unknown[:6]} "
                          f"({len(unknown)} in all); our model has no biases or extra modules")
@@ -467,12 +476,13 @@ def read_mixtral_config(path: str | os.PathLike):
     """The ``transformers.MixtralConfig`` of a checkpoint directory (only ``config.json`` is read)."""
     import transformers
 
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a transformers Mixtral checkpoint directory)")
     hf_cfg = transformers.AutoConfig.from_pretrained(str(path))
     _check_mixtral(hf_cfg)
     return hf_cfg
 
 
-@torch.no_grad()
 def import_mixtral(path: str | os.PathLike, model: Transformer | None = None, *, max_seq_len: int | None = None,
                    layout=None, ep_group=None, dp_group=None, **moe_kw) -> Transformer:
     """Load a transformers Mixtral checkpoint directory into ``model`` (in place; returned), or into a
@@ -483,15 +493,32 @@ def import_mixtral(path: str | os.PathLike, model: Transformer | None = None, *,
     each mismatch); under expert parallelism each process reads only the experts it holds."""
     path = Path(path)
     hf_cfg = read_mixtral_config(path)
+    return _import(lambda: _Files(path), hf_cfg, model, str(path), max_seq_len=max_seq_len, layout=layout, ep_group=ep_group,
+                   dp_group=dp_group, **moe_kw)
+
+
+def import_mixtral_state_dict(state: dict[str, torch.Tensor], hf_cfg, model: Transformer | None = None, *,
+                              max_seq_len: int | None = None, layout=None, ep_group=None, dp_group=None, **moe_kw) -> Transformer:
+    """``import_mixtral`` from a transformers model's ``state_dict()`` and its config (e.g. a live
+    ``MixtralForCausalLM``: ``import_mixtral_state_dict(m.state_dict(), m.config)``); the tensors are
+    copied, the model is not changed."""
+    _check_mixtral(hf_cfg)
+    return _import(lambda: _Tensors(state), hf_cfg, model, "the state dict", max_seq_len=max_seq_len, layout=layout,
+                   ep_group=ep_group, dp_group=dp_group, **moe_kw)
+
+
+@torch.no_grad()
+def _import(open_tensors: Callable[[], _Tensors], hf_cfg, model: Transformer | None, where: str, *, max_seq_len, layout, ep_group, dp_group,
+            **moe_kw) -> Transformer:
     if model is None:
         model = Transformer(transformer_config(hf_cfg, max_seq_len=max_seq_len, **moe_kw), layout=layout, ep_group=ep_group, dp_group=dp_group)
     else:
         bad = config_mismatches(model.cfg, hf_cfg)
         if bad:
-            raise ValueError(f"{path}: the model's config does not match the checkpoint's: " + "; ".join(bad))
+            raise ValueError(f"{where}: the model's config does not match the checkpoint's: " + "; ".join(bad))
     experts = model.moe_layers()[0].experts
     lo = experts.expert_offset
-    state = _read(_Files(path), model.cfg, lo, lo + experts.num_local)
+    state = _read(open_tensors(), model.cfg, lo, lo + experts.num_local)  # after the config checks
     if model.cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     model.load_state_dict(state, strict=True)

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moe import MoEConfig  # noqa: E402
-from moe.hf_mixtral import TABLE, ZERO_IN_MIXTRAL, export_mixtral, import_mixtral, to_mixtral_state_dict  # noqa: E402
+from moe.hf_mixtral import TABLE, ZERO_IN_MIXTRAL, _Files, _read, export_mixtral, import_mixtral, to_mixtral_state_dict  # noqa: E402
 from moe.model import Transformer, TransformerConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
@@ -137,6 +137,11 @@ def test_import_matches_transformers_in_both_file_layouts(tmp_path):
     hf.config.save_pretrained(tmp_path / "fused")
     safetensors_torch.save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors"))
     _equal_states(import_mixtral(tmp_path / "fused").state_dict(), ours.state_dict())
+    # what each of 2 expert-parallel ranks reads: its experts' slice, the same from either layout
+    for lo, hi in ((0, E // 2), (E // 2, E)):
+        hub, fused = (_read(_Files(tmp_path / d), ours.cfg, lo, hi) for d in ("hub", "fused"))
+        _equal_states(fused, hub)
+        assert torch.equal(hub["blocks.1.ffn.experts.w2"], ours.blocks[1].ffn.experts.w2[lo:hi])
     # and back out: the same tensors transformers holds
     export_mixtral(ours, tmp_path / "again")
     _equal_states(_from_pretrained(tmp_path / "again").state_dict(), hf.state_dict())
@@ -227,10 +232,10 @@ TRAIN_MX = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attenti
 INIT_RUN = [*SHORT, "train.steps=2", "train.log_every=1", "train.eval_every=2", "moe.aux_loss_coef=0", "moe.z_loss_coef=0"]
 
 
-def _init_from_rank(rank, world, overrides, run_dir):
+def _init_from_rank(rank, world, runs, run_dirs):
     from experiments.train import train
 
-    return train(cfg_of(*overrides), run_dir=run_dir, keep_weights=True)
+    return [train(cfg_of(*overrides), run_dir=run_dir, keep_weights=True) for overrides, run_dir in zip(runs, run_dirs)]
 
 
 def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
@@ -246,10 +251,15 @@ def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
     _equal_states(model.state_dict(), import_mixtral(tmp_path / "mx").state_dict())
 
     single = train(cfg_of(*overrides), run_dir=tmp_path / "one", data=stdlib, keep_weights=True)
-    per_rank = run_distributed(_init_from_rank, 2, [*overrides, "parallel=ep2"], tmp_path / "two", timeout=300)
-    assert [s["layout"]["ep"] for s in per_rank] == [2, 2]
-    got = dict(per_rank[0], weights=assemble_weights(per_rank, single["weights"]))
-    check_same_training(got, metrics_rows(tmp_path / "two"), single, metrics_rows(tmp_path / "one"), "init_from under ep=2")
+    # ep=2, and ep=2 under ZeRO-3 (the engine builds its sharded flat buffers from the loaded weights)
+    layouts = [["parallel=ep2"], ["parallel=ep2", "parallel.zero_stage=3"]]
+    dirs = [tmp_path / f"two{i}" for i in range(len(layouts))]
+    per_rank = run_distributed(_init_from_rank, 2, [[*overrides, *extra] for extra in layouts], dirs, timeout=300)
+    for i, extra in enumerate(layouts):
+        runs = [r[i] for r in per_rank]
+        assert [s["layout"]["ep"] for s in runs] == [2, 2]
+        got = dict(runs[0], weights=assemble_weights(runs, single["weights"]))
+        check_same_training(got, metrics_rows(dirs[i]), single, metrics_rows(tmp_path / "one"), f"init_from under {extra}")
 
     # both started from the checkpoint's function: the first loss is transformers' loss on that batch
     x, y = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)
