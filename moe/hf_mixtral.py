@@ -43,9 +43,7 @@ ValueError naming the field, its value and what is valid.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,13 +59,13 @@ from .model import Transformer, TransformerConfig
 # the expert layouts (also used by moe.hf.patch, which views transformers' fused tensors in place)
 
 
-def fused_to_ours(gate_up_XGD: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_to_ours(gate_up: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """transformers 5's fused experts -> ``(w1, w3, w2)`` in our layout, as views (no copy).
 
-    ``gate_up [X, 2F, D]`` holds the gate rows then the up rows of each expert (G = 2F);
-    ``down [X, D, F]``. Ours: ``w1, w3 [X, D, F]``, ``w2 [X, F, D]``."""
+    ``gate_up [X, 2F, D]`` holds the gate rows then the up rows of each expert; ``down [X, D, F]``.
+    Ours: ``w1, w3 [X, D, F]``, ``w2 [X, F, D]``."""
     F = down_XDF.shape[2]
-    return gate_up_XGD[:, :F].transpose(1, 2), gate_up_XGD[:, F:].transpose(1, 2), down_XDF.transpose(1, 2)
+    return gate_up[:, :F].transpose(1, 2), gate_up[:, F:].transpose(1, 2), down_XDF.transpose(1, 2)
 
 
 def ours_to_fused(w1_XDF: torch.Tensor, w3_XDF: torch.Tensor, w2_XFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +206,10 @@ def transformer_config(hf_cfg, *, max_seq_len: int | None = None, **moe_kw) -> T
     compute). ``max_seq_len``: default ``max_position_embeddings`` (rotary tables are that long).
     ``moe_kw``: training-time MoEConfig fields (aux_loss_coef, z_loss_coef, capacity_factor, ...)."""
     _check_mixtral(hf_cfg)
+    fixed = sorted(set(moe_kw) & (set(MIXTRAL_ROUTING) | {"d_model", "d_ff", "num_experts", "top_k"}))
+    if fixed:
+        raise ValueError(f"moe.{fixed[0]}={moe_kw[fixed[0]]!r}: the checkpoint's config decides {fixed}; "
+                         "only training-time MoEConfig fields can be passed")
     ours = {o: _get(hf_cfg, t) for o, t in CONFIG_FIELDS}
     if max_seq_len is not None:
         ours["max_seq_len"] = max_seq_len
@@ -244,8 +246,10 @@ def _check_mixtral(hf_cfg) -> None:
     for field in ("attention_bias", "mlp_bias"):
         if getattr(hf_cfg, field, False):
             refuse(field, True, "our model has no biases")
-    if getattr(hf_cfg, "quantization_config", None) is not None:
-        refuse("quantization_config", "...", "only unquantized checkpoints are read")
+    quant = getattr(hf_cfg, "quantization_config", None)
+    if quant is not None:
+        refuse("quantization_config", quant.get("quant_method", quant) if isinstance(quant, dict) else quant,
+               "only unquantized checkpoints are read")
 
 
 def config_mismatches(cfg: TransformerConfig, hf_cfg) -> list[str]:
@@ -288,33 +292,33 @@ def _rows(cfg: TransformerConfig) -> Iterator[tuple[Row, int]]:
             yield row, -1
 
 
-def _our_state(state: dict[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
-    """``state`` with every name the table expects checked, and the Mixtral-less buffers checked zero."""
-    expected = {n for row, i in _rows(cfg) for n in _names(row.ours, i)}
-    zero_bufs = {n for i in range(cfg.n_layers) for n in _names(ZERO_IN_MIXTRAL, i)}
-    tied = {"lm_head.weight"} if cfg.tie_embeddings else set()  # the embedding itself, written once
-    missing = sorted(expected - set(state))
-    unknown = sorted(set(state) - expected - zero_bufs - tied)
+def _check_state(state: dict[str, torch.Tensor], cfg: TransformerConfig) -> None:
+    """``state`` holds the whole model of ``cfg``: its names and shapes, every expert, and the
+    Mixtral-less buffers zero. A tied head may be absent (it is the embedding)."""
+    with torch.device("meta"):  # shapes only: nothing is allocated or drawn
+        ref = Transformer(cfg).state_dict()
+    optional = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    missing = sorted(set(ref) - set(state) - optional)
+    unknown = sorted(set(state) - set(ref))
     if missing or unknown:
         raise ValueError(f"the state dict does not hold a model of this config: missing {missing[:8]}, unknown {unknown[:8]}")
-    for name in sorted(zero_bufs & set(state)):
+    for name in sorted(set(ref) & set(state)):
+        got, want = tuple(state[name].shape), tuple(ref[name].shape)
+        if got != want:
+            experts = ".experts." in name and got[1:] == want[1:]
+            raise ValueError(f"{name} has shape {got}, the config's model {want}" + (
+                f": {got[0]} of num_experts={want[0]} experts; under expert parallelism gather every rank's experts "
+                "(a consolidated checkpoint) before exporting" if experts else ""))
+    for name in (n for i in range(cfg.n_layers) for n in _names(ZERO_IN_MIXTRAL, i)):
         if torch.count_nonzero(state[name]):
             raise _bad(name, "non-zero", "Mixtral's router has no selection bias")
-    E = cfg.moe.num_experts
-    for row, i in _rows(cfg):
-        if row.experts:
-            for n in _names(row.ours, i):
-                if state[n].shape[0] != E:
-                    raise ValueError(f"{n} holds {state[n].shape[0]} experts of num_experts={E}: under expert parallelism "
-                                     "gather every rank's experts (a consolidated checkpoint) before exporting")
-    return state
 
 
 def to_mixtral_state_dict(state: dict[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
     """Our state dict -> ``MixtralForCausalLM.state_dict()`` names and layouts (transformers 5, fused
     experts), e.g. for ``hf_model.load_state_dict``."""
     check_exportable(cfg)
-    state = _our_state(state, cfg)
+    _check_state(state, cfg)
     out = {}
     for row, i in _rows(cfg):
         out.update(zip(_names(row.module, i), (t.contiguous() for t in row.to_module(*(state[n] for n in _names(row.ours, i))))))
@@ -442,7 +446,7 @@ def export_mixtral(src, out_dir: str | os.PathLike, cfg: TransformerConfig | Non
     if cfg is None:
         raise ValueError("export_mixtral needs cfg (the model's TransformerConfig) unless src is a Transformer")
     check_exportable(cfg)
-    state = _our_state(state, cfg)
+    _check_state(state, cfg)
     dtype = state["embed.weight"].dtype if dtype is None else dtype
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

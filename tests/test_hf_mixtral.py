@@ -19,8 +19,10 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moe import MoEConfig  # noqa: E402
-from moe.hf_mixtral import TABLE, ZERO_IN_MIXTRAL, _Files, _read, export_mixtral, import_mixtral, to_mixtral_state_dict  # noqa: E402
+from moe.hf_mixtral import (  # noqa: E402
+    TABLE, ZERO_IN_MIXTRAL, _Files, _read, export_mixtral, import_mixtral, import_mixtral_state_dict, to_mixtral_state_dict)
 from moe.model import Transformer, TransformerConfig  # noqa: E402
+from tests.test_train import SHORT, assemble_weights, cfg_of, check_same_training, metrics_rows, stdlib  # noqa: E402,F401 (stdlib: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
@@ -155,6 +157,11 @@ def test_export_bf16_and_from_a_consolidated_file(tmp_path):
     back = import_mixtral(out)
     # bf16 on disk, upcast exactly into the fp32 model
     _equal_states(back.state_dict(), {k: v.to(torch.bfloat16).float() for k, v in ours.state_dict().items()})
+    # a tied model's file holds the embedding once (safetensors refuses two names for one tensor)
+    tied = _ours(tie_embeddings=True)
+    state = {k: v for k, v in tied.state_dict().items() if k != "lm_head.weight"}
+    export_mixtral(state, tmp_path / "tied", tied.cfg)
+    _equal_states(import_mixtral(tmp_path / "tied").state_dict(), tied.state_dict())
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -172,11 +179,15 @@ def test_export_refuses_what_mixtral_cannot_compute(tmp_path, kw, match):
     assert not (tmp_path / "mx").exists()
 
 
-def test_export_refuses_a_slice_of_the_experts(tmp_path):
+def test_export_refuses_a_slice_of_the_experts_and_wrong_shapes(tmp_path):
     ours = _ours()
     state = {k: (v[: E // 2] if ".experts." in k else v) for k, v in ours.state_dict().items()}  # one ep rank's
-    with pytest.raises(ValueError, match="holds 2 experts of num_experts=4"):
+    with pytest.raises(ValueError, match=r"2 of num_experts=4 experts; under expert parallelism"):
         export_mixtral(state, tmp_path / "mx", ours.cfg)
+    with pytest.raises(ValueError, match=r"embed\.weight has shape \(61, 32\), the config's model \(64, 32\)"):
+        export_mixtral(ours.state_dict(), tmp_path / "mx", dataclasses.replace(ours.cfg, vocab_size=64))
+    with pytest.raises(ValueError, match=r"moe\.score_func='sigmoid'"):  # the checkpoint decides the routing
+        import_mixtral_state_dict(_hf().state_dict(), _hf().config, score_func="sigmoid")
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -222,8 +233,6 @@ def test_import_into_a_model_checks_its_config(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # model.init_from in the trainer
-
-from tests.test_train import SHORT, assemble_weights, cfg_of, check_same_training, metrics_rows, stdlib  # noqa: E402,F401
 
 # the trainer's tiny model with the mixtral moe group, on the 256-byte vocabulary
 TRAIN_MX = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
