@@ -5,7 +5,9 @@ Mixtral also our own ``moe.model.Transformer`` with the same weights, side by si
         [--batch 8] [--seq 512] [--layers 2] [--device cpu|cuda] [--precision fp32|bf16]
         [--threads N] [--cpu-time]
 
-A step is forward, the causal-LM loss (labels = inputs, shifted inside the model; ours is given the
+"Stock" is the model as transformers builds it, with its default experts implementation (in
+transformers 5.24 ``grouped_mm``: torch's grouped matmul, which has a CPU kernel; the arch column
+names it). A step is forward, the causal-LM loss (labels = inputs, shifted inside the model; ours is given the
 same shifted targets), backward and a torch AdamW step (foreach) over every parameter. Every model
 of an architecture starts from the same weights (the patched one is a deep copy of the stock model;
 ours gets the stock Mixtral's weights through ``moe.hf_mixtral``'s table) and sees the same batch;
@@ -173,7 +175,8 @@ def main(argv=None):
         r = measure(models, ids_BL, args.reps, device, autocast, time.process_time if args.cpu_time else time.perf_counter)
         t, ratio, loss = r["time"], r["ratios"], r["loss"]
         cell = lambda d, k, fmt: format(d[k], fmt) if k in d else "-"  # noqa: E731
-        print(f"| {arch} | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
+        impl = getattr(models["stock"].config, "_experts_implementation", None)  # transformers' own choice for the stock experts
+        print(f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
               f"{ratio['patched']:.2f}x | {cell(ratio, 'ours', '.2f')}{'x' if 'ours' in ratio else ''} | "
               f"{', '.join(f'{loss[n]:.5f}' for n in loss)} |", flush=True)
         del models
