@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: install test train bench
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q -e ".[dev,hf]"
+	$(PYTHON) -m pip install -q -e ".[dev,hf,cluster]"
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -32,7 +32,9 @@ Why the moe dataclasses serve as schema as they are (and what is derived):
   ``TransformerConfig(moe=MoEConfig | None)`` is a nested config OmegaConf would type as a second
   place to set every moe key. Generating it (rather than copying the fields) keeps
   ``moe.model.TransformerConfig`` the one source of names, types and defaults; the generated class
-  has no ``__post_init__``, validation stays where it is.
+  has no ``__post_init__``, validation stays where it is. The trainer's own model keys
+  (``MODEL_TRAINER_FIELDS``: ``init_from``, the checkpoint a run starts from) are appended: they are
+  not architecture, so ``TransformerConfig`` does not carry them.
 - ``+key=value`` is Hydra's explicit "add a key the config does not have": it opens struct mode, so
   no schema can refuse it at compose time. ``check_keys`` (called by
   ``experiments.train._check_train_cfg`` before anything is built) rejects any such key that is not a
@@ -60,10 +62,10 @@ from moe.model import TransformerConfig
 OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
 
-def _schema_from(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
+def _schema_from(cls: type, name: str, exclude: tuple[str, ...] = (), extra: tuple[tuple[str, Any, Any], ...] = ()) -> type:
     """A plain dataclass with ``cls``'s fields (names, resolved types, defaults) minus ``exclude``,
-    and none of its methods (no ``__post_init__``): a schema OmegaConf can hold ``???`` and
-    ``${...}`` in."""
+    then the ``extra`` fields ``(name, type, default)``, and none of ``cls``'s methods (no
+    ``__post_init__``): a schema OmegaConf can hold ``???`` and ``${...}`` in."""
     hints = typing.get_type_hints(cls)  # the string annotations of `from __future__ import annotations`
     spec = []
     for f in dataclasses.fields(cls):
@@ -76,14 +78,21 @@ def _schema_from(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
         else:
             default = field(default=MISSING)  # required: a yaml or an override must set it
         spec.append((f.name, hints[f.name], default))
+    spec += [(n, t, field(default=d)) for n, t, d in extra]
     schema = dataclasses.make_dataclass(name, spec)
     schema.__module__ = __name__  # pickles and prints as experiments.schema.<name>
     schema.__doc__ = f"{cls.__module__}.{cls.__qualname__}'s fields except {', '.join(exclude) or 'none'} (generated)."
     return schema
 
 
-# the model group: TransformerConfig without its `moe` field (the moe group is separate)
-ModelConfig = _schema_from(TransformerConfig, "ModelConfig", exclude=("moe",))
+# the model group's keys that are the trainer's, not the architecture's: (name, type, default)
+MODEL_TRAINER_FIELDS = (
+    # a transformers Mixtral checkpoint directory whose weights the run starts from (moe.hf_mixtral)
+    ("init_from", Optional[str], None),
+)
+# the model group: TransformerConfig without its `moe` field (the moe group is separate), plus
+# the trainer's own keys, which experiments.train.build_model takes out before building
+ModelConfig = _schema_from(TransformerConfig, "ModelConfig", exclude=("moe",), extra=MODEL_TRAINER_FIELDS)
 
 
 @dataclass
@@ -113,6 +122,9 @@ class TrainLoopConfig:
     # auto: the newest complete checkpoint in train.checkpoint.dir, else a fresh start; none: fresh;
     # a path: that checkpoint (a step_<N> directory, or a checkpoint dir: its newest complete one)
     resume: str = "auto"
+    # a step whose loss, MoE aux loss or gradient norm is non-finite on any rank is skipped on every
+    # rank; after this many skipped steps in a row the run stops with an error naming the quantity
+    max_bad_steps: int = 10
 
 
 @dataclass

@@ -6,6 +6,7 @@ and ``logger=none`` runs without it installed.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -102,10 +103,28 @@ def make_tracker(cfg: DictConfig, run_dir: Path, rank: int, run_id: str | None =
     return WandbTracker(cfg, run_dir, run_id)
 
 
+def finite_or_none(value):
+    """``value`` with every non-finite float (also inside lists, tuples and dicts) replaced by None:
+    JSON has no NaN or Infinity (``json.dumps`` would write them as invalid tokens)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def to_json(value, **kw) -> str:
+    """Strict JSON: a non-finite float is written as null."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **kw)
+
+
 class MetricsFile:
-    """metrics.jsonl: one JSON object per logged step, flushed as it goes so a killed run keeps its rows.
-    ``keep_until``: a run resumed at that step into the same run dir keeps the rows up to it (a killed
-    run may have logged steps after its last checkpoint: they are trained again) and appends."""
+    """metrics.jsonl: one JSON object per logged step, flushed as it goes so a killed run keeps its
+    rows; a non-finite value is written as null. ``keep_until``: a run resumed at that step into the
+    same run dir keeps the rows up to it (a killed run may have logged steps after its last
+    checkpoint: they are trained again) and appends."""
 
     def __init__(self, path: Path | None, keep_until: int | None = None):
         kept = []
@@ -117,7 +136,7 @@ class MetricsFile:
 
     def write(self, row: dict) -> None:
         if self.f is not None:
-            self.f.write(json.dumps(row) + "\n")
+            self.f.write(to_json(row) + "\n")
             self.f.flush()
 
     def close(self) -> None:
@@ -137,7 +156,9 @@ def read_sweep(sweep_dir: Path) -> list[dict]:
 def format_sweep(rows: list[dict]) -> str:
     lines = [f"{'job':>4}  {'final val loss':>14}  {'unigram':>7}  {'active':>9}  {'total':>9}  {'tokens':>9}  overrides"]
     for r in rows:
-        lines.append(f"{r['job']:>4}  {r['final_val_loss']:>14.4f}  {r['unigram_entropy']:>7.4f}  {r['params_active']:>9,}  "
+        val = r["final_val_loss"]  # null in summary.json when it was not finite
+        val = f"{val:>14.4f}" if val is not None else f"{'null':>14}"
+        lines.append(f"{r['job']:>4}  {val}  {r['unigram_entropy']:>7.4f}  {r['params_active']:>9,}  "
                      f"{r['params_total']:>9,}  {r['tokens']:>9,}  {' '.join(r.get('overrides', []))}")
     return "\n".join(lines)
 
@@ -153,5 +174,5 @@ class SweepSummary(Callback):
         rows = read_sweep(sweep_dir)
         if not rows:
             return
-        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
+        (sweep_dir / "sweep_summary.json").write_text(to_json(rows, indent=1))
         print(f"\nsweep {sweep_dir} (validation loss in nats per token):\n" + format_sweep(rows), flush=True)

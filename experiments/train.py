@@ -15,7 +15,6 @@ length, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -35,7 +34,8 @@ import zero
 from experiments import schema  # the config schema (Hydra's ConfigStore) and the ${div:} resolver
 from experiments.checkpoint import TrainCheckpoints, check_checkpoint_cfg
 from experiments.data import LMData, build_data
-from experiments.tracking import MetricsFile, hydra_job_info, make_tracker
+from experiments.nonfinite import StepGuard
+from experiments.tracking import MetricsFile, finite_or_none, hydra_job_info, make_tracker, to_json
 from moe.model import Transformer, TransformerConfig
 from routing_kernels.runtime import in_backward
 from zero.pipeline import Pipeline, PipelinePlan, plan_pipeline
@@ -98,15 +98,23 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout, c
 
 def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transformer:
     """The transformer of ``cfg.model`` (+ ``cfg.moe`` when any block is MoE); configs validate
-    themselves, so a bad value stops here with a message naming the key."""
+    themselves, so a bad value stops here with a message naming the key. ``model.init_from``: a
+    transformers Mixtral checkpoint directory whose weights replace the initial ones (this rank's
+    experts only), after checking that it matches model.* and moe.*."""
     # plain dicts of the resolved values; a key still ??? fails here naming it (MissingMandatoryValue)
     mcfg = OmegaConf.to_container(cfg.model, resolve=True, throw_on_missing=True)
+    init_from = mcfg.pop("init_from", None)
     moe_cfg = None
     if mcfg.get("moe_every", 1):
         moe_cfg = moe.MoEConfig.from_dict(OmegaConf.to_container(cfg.moe, resolve=True, throw_on_missing=True))
         if moe_cfg.router == "expert_choice":
             print("warning: moe.router=expert_choice picks tokens across the whole batch, so a causal LM sees the future through it; its validation loss is optimistic", file=sys.stderr)
-    return Transformer(TransformerConfig.from_dict(mcfg, moe=moe_cfg), layout=layout)
+    model = Transformer(TransformerConfig.from_dict(mcfg, moe=moe_cfg), layout=layout)
+    if init_from:
+        from moe.hf_mixtral import import_mixtral  # needs the [hf] extra
+
+        import_mixtral(init_from, model)
+    return model
 
 
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -220,33 +228,35 @@ class MoEStatSums:
         self._hooks = [layer.register_forward_hook(self._hook(i)) for layer, i in layers.items()]
 
     def reset(self) -> None:
-        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=self.device)
-        self.aux = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
-        self.drop = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
+        self.load_LE = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=self.device)
+        self.aux_LQ = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=self.device)  # aux_loss, z_loss
+        self.drop_L = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
 
     def _hook(self, i: int):
         def hook(layer, args, out):
             if layer.training and not in_backward():
-                self.load[i] += layer.stats.tokens_per_expert
-                self.aux[i] += layer.stats.aux_loss.double()
-                self.drop[i] += layer.stats.dropped_fraction.double()
+                self.load_LE[i] += layer.stats.tokens_per_expert
+                self.aux_LQ[i, 0] += layer.stats.aux_loss.double()
+                self.aux_LQ[i, 1] += layer.stats.z_loss.double()
+                self.drop_L[i] += layer.stats.dropped_fraction.double()
         return hook
 
-    def gathered(self, layout: zero.Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(load, aux, drop) of every MoE layer on every rank: already global over dp (the layers
-        reduce them), summed over the pipeline stages, each of which fills only its own layers;
-        every rank sends the same length, whatever it holds."""
-        flat = torch.cat([self.load.flatten(), self.aux, self.drop])
-        if layout.pp_group is not None:
-            dist.all_reduce(flat, group=layout.pp_group)
-        L, E = self.num_layers, self.num_experts
-        return flat[: L * E].view(L, E), flat[L * E : L * E + L], flat[L * E + L :]
+
+def _sum_over_stages(tensors: list[torch.Tensor], layout: zero.Layout) -> list[torch.Tensor]:
+    """Each tensor summed over the pipeline stages (one all-reduce): per-MoE-layer statistics are
+    already global over dp (the layers reduce them) and each stage fills only its own layers, so
+    the sum is every layer's value on every rank; each rank sends the same length, whatever it holds."""
+    if layout.pp_group is None:
+        return tensors
+    flat = torch.cat([t.reshape(-1).double() for t in tensors])
+    dist.all_reduce(flat, group=layout.pp_group)
+    return list(torch.split(flat, [t.numel() for t in tensors]))
 
 
 def _check_train_cfg(cfg: DictConfig, layout: zero.Layout, plan: PipelinePlan | None = None) -> None:
     schema.check_keys(cfg)  # a key added with +key=value that no schema has
     t = cfg.train
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches", "max_bad_steps"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise ValueError(f"train.{key}={t[key]!r} is invalid: expected a positive integer")
     if t.batch_size % (layout.dp * t.grad_accum):
@@ -298,6 +308,9 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     params = model.param_counts()
     all_layers = model.moe_layers()  # of the whole model; a pipeline rank runs some of them
     layer_index = {layer: i for i, layer in enumerate(all_layers)}
+    # non-finite steps: skip, count, stop; it names every MoE layer of the whole model, and every
+    # rank hands the engine the same flags (the layers of other stages count as finite)
+    guard = StepGuard(model, int(tcfg.max_bad_steps), layout.world)
     pipe = None
     if plan is not None:
         model, chunks = split_model(model, plan, layout)  # the other stages' layers are dropped here
@@ -309,6 +322,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     ckpts = TrainCheckpoints(cfg, engine, layout, run_dir)
     resumed = ckpts.resume() or {}  # weights, optimizer, buffers and RNG are loaded; the loop's own state
     start = resumed.get("step", 0)
+    guard.streak = [tuple(s) for s in resumed.get("bad_streak", [])]  # skipped steps in a row up to the checkpoint
 
     tracker = make_tracker(cfg, run_dir if run_dir is not None else Path("."), layout.rank, run_id=resumed.get("wandb_id"))
     metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and rank0 else None, keep_until=start if resumed else None)
@@ -331,11 +345,14 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             print(f"pipeline: {plan.describe()}", flush=True)
         print(f"data: {data.name} {data.info}; train {len(data.train):,} / val {len(data.val):,} tokens", flush=True)
 
-    # running sums since the last log row; tensors, so no step waits for the device unless logging
+    # running sums since the last log row, over the steps taken (n of steps_run); tensors, so no
+    # step waits for the device unless logging
+    L, E = len(all_layers), stats.num_experts
+
     def fresh():
-        stats.reset()
-        return {"loss": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0,
-                "t": time.perf_counter(), "eval_s": 0.0}
+        return {"loss": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0, "steps_run": 0,
+                "load": torch.zeros(L, E, dtype=torch.float64, device=device), "aux": torch.zeros(L, dtype=torch.float64, device=device),
+                "drop": torch.zeros(L, dtype=torch.float64, device=device), "t": time.perf_counter(), "eval_s": 0.0}
 
     acc = fresh()
     logged_losses, val_loss = resumed.get("logged_losses", []), resumed.get("val_loss")
@@ -348,6 +365,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             lr = lr_at(step, cfg.optim, tcfg.steps)
             engine.lr = lr
             x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
+            stats.reset()  # this step's MoE statistics, of the layers this rank runs
+            loss_step = torch.zeros((), device=device)
             for m in range(accum):
                 x, y = x_BL[m * micro : (m + 1) * micro].to(device), y_BL[m * micro : (m + 1) * micro].to(device)
                 if pipe is not None:
@@ -355,7 +374,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                     # reduces after the last backward of the last round
                     with _autocast(cfg, device):
                         losses = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, reduce=m == accum - 1)
-                    acc["loss"] += sum(losses, torch.zeros((), device=device)) / forwards
+                    loss_step += sum(losses, torch.zeros((), device=device)) / forwards
                     continue
                 # micro-batches before the last only accumulate locally: one reduction per step
                 quiet = engine.no_sync() if m < accum - 1 else nullcontext()
@@ -364,13 +383,24 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                         logits_BLV = model(x)
                     loss = lm_loss(logits_BLV, y)
                     (loss / accum).backward()
-                acc["loss"] += loss.detach() / accum
-            # reduce, clip, the optimizer on this rank's shards; the norm before clipping
-            gnorm = torch.as_tensor(engine.step(), dtype=torch.float32, device=device)
-            moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
-            acc["gnorm"] += gnorm.detach()
-            acc["n"] += 1
+                loss_step += loss.detach() / accum
+            # reduce, clip, the optimizer on this rank's shards; the norm before clipping. A loss,
+            # aux loss or gradient norm that is non-finite on any rank skips the step on every rank
+            # (the loss is the last stage's; other stages hand a zero)
+            gnorm = torch.as_tensor(engine.step(extra_finite=guard.flags(loss_step, stats.aux_LQ / forwards)),
+                                    dtype=torch.float32, device=device)
             done = step + 1
+            acc["steps_run"] += 1
+            if guard.update(engine, done):
+                guard.discard_load()
+            else:
+                moe.update_expert_biases(model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
+                acc["loss"] += loss_step
+                acc["load"] += stats.load_LE
+                acc["aux"] += stats.aux_LQ[:, 0]
+                acc["drop"] += stats.drop_L
+                acc["gnorm"] += gnorm.detach()
+                acc["n"] += 1
             bar.update(1)
 
             last = done == tcfg.steps
@@ -382,22 +412,26 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                 val_loss = row_val = evaluate(model, data, cfg, layout, device, pipe)
                 val_history.append((done, val_loss))
                 acc["eval_s"] += time.perf_counter() - t_eval
-            if done % tcfg.log_every == 0 or last or row_val is not None or save_now:
+            if done % tcfg.log_every == 0 or last or row_val is not None or guard.stopping or save_now:
+                # means over the steps taken since the last row (NaN when every one was skipped:
+                # null in metrics.jsonl); skipped steps are counted, from the start of the run
                 n = acc["n"]
-                loss_mean = _all_reduce_(acc["loss"].clone().reshape(1), layout).item() / layout.dp / n
+                mean = lambda total: total / n if n else math.nan  # noqa: E731
+                loss_mean = mean(_all_reduce_(acc["loss"].clone().reshape(1), layout).item() / layout.dp)
                 elapsed = time.perf_counter() - acc["t"] - acc["eval_s"]
                 row = {
                     "step": done,
                     "loss": loss_mean,
                     "lr": lr,
-                    "tokens_per_s": n * tokens_per_step / max(elapsed, 1e-9),
-                    "grad_norm": acc["gnorm"].item() / n,
+                    "tokens_per_s": acc["steps_run"] * tokens_per_step / max(elapsed, 1e-9),
+                    "grad_norm": mean(acc["gnorm"].item()),
+                    "skipped_steps": engine.skipped_steps,
                 }
                 if all_layers:
-                    load_LE, aux_L, drop_L = stats.gathered(layout)  # every stage's layers
-                    row["aux_loss"] = aux_L.sum().item() / len(all_layers) / forwards / n
-                    row["dropped_fraction"] = drop_L.sum().item() / len(all_layers) / forwards / n
-                    load = [[int(c) for c in e] for e in load_LE.tolist()]
+                    load_LE, aux_L, drop_L = _sum_over_stages([acc["load"], acc["aux"], acc["drop"]], layout)
+                    row["aux_loss"] = mean(aux_L.sum().item() / L / forwards)
+                    row["dropped_fraction"] = mean(drop_L.sum().item() / L / forwards)
+                    load = [[int(c) for c in e] for e in load_LE.view(L, E).tolist()]
                     row["load_max_over_mean"] = sum(max(e) / max(sum(e) / len(e), 1e-9) for e in load) / len(load)
                     row["expert_load"] = load
                 if row_val is not None:
@@ -415,9 +449,11 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                         post["val"] = f"{val_loss:.3f}"
                     bar.set_postfix(post, refresh=False)
                 acc = fresh()
+            guard.check(lr)  # after train.max_bad_steps skipped steps in a row: NonFiniteError, on every rank
             if save_now:
-                ckpts.save(done, {"logged_losses": logged_losses, "val_history": val_history, "val_loss": val_loss,
-                                  "wandb_id": tracker.run_id}, OmegaConf.to_yaml(cfg, resolve=True))
+                ckpts.save(done, finite_or_none({"logged_losses": logged_losses, "val_history": val_history,
+                                                 "val_loss": val_loss, "wandb_id": tracker.run_id,
+                                                 "bad_streak": guard.streak}), OmegaConf.to_yaml(cfg, resolve=True))
             if stop:
                 status = "preempted"
                 break
@@ -445,6 +481,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         "params_total": params["total"],
         "params_active": params["active"],
         "moe_layers": len(all_layers),
+        "skipped_steps": engine.skipped_steps,
         "time_s": wall,
         "tokens_per_s": (done - start) * tokens_per_step / wall,  # of the steps this run trained
         "overrides": hydra_job_info().get("overrides", []),
@@ -453,7 +490,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     if rank0:
         tracker.finish(summary)
         if run_dir is not None:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            (run_dir / "summary.json").write_text(to_json(summary, indent=1))
         if status == "preempted":
             where = f"checkpoint {ckpts.ckpt.last_saved}" if ckpts.ckpt.last_saved is not None else "no checkpoint (train.checkpoint.every=0 or no dir)"
             print(f"preempted after step {done} of {tcfg.steps}: {where}; launch again with the same checkpoint dir "

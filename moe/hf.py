@@ -12,13 +12,17 @@ Supported blocks (transformers 5.x layouts), with the routing each maps to:
 | ``olmoe`` | ``OlmoeSparseMoeBlock`` | softmax over E, top-k, renormalised iff ``norm_topk_prob`` | none |
 | ``deepseek_v3`` | ``DeepseekV3MoE`` | sigmoid scores, ``e_score_correction_bias`` added for selection only (the expert bias), group-limited top-k (``n_group``/``topk_group``), renormalised iff ``norm_topk_prob``, times ``routed_scaling_factor`` | ``n_shared_experts`` fused into one ungated MLP |
 
+Whole models move as Mixtral checkpoints: ``export_mixtral``/``import_mixtral`` (``moe.hf_mixtral``,
+which holds the one mapping table between our names and layouts and Mixtral's).
+
 Weights: on one process the patched layer holds the stock tensors' storage, never a copy (under
 expert parallelism each rank copies its own experts' slices, so the full stock tensors can go).
 
 - ``router.weight`` IS the stock ``gate.weight`` Parameter (same ``[E, D]`` layout).
 - ``experts.w1``/``w3`` ``[E, D, F]`` are Parameters viewing the two halves of the stock fused
   ``experts.gate_up_proj [E, 2F, D]`` (``[:, :F]`` gate, ``[:, F:]`` up, transposed);
-  ``experts.w2 [E, F, D]`` views ``experts.down_proj [E, D, F]`` transposed. The views share storage
+  ``experts.w2 [E, F, D]`` views ``experts.down_proj [E, D, F]`` transposed
+  (``moe.hf_mixtral.fused_to_ours``, the experts' row of the mapping table). The views share storage
   (an update to one is an update to the other) but are new leaf Parameters, so their gradients
   are in ``w1.grad``/``w3.grad``/``w2.grad``, in the patched layout, and they are not contiguous.
 - The shared expert's ``gate_proj``/``up_proj``/``down_proj`` Linear modules become the
@@ -50,6 +54,7 @@ from routing_kernels.runtime import group_size, mark_expert_params
 
 from .config import MoEConfig
 from .experts import DenseFFN
+from .hf_mixtral import export_mixtral, fused_to_ours, import_mixtral  # noqa: F401 (moe.hf.export_mixtral, moe.hf.import_mixtral)
 from .layer import MoELayer
 
 # model_type -> (block class name, router class name)
@@ -158,7 +163,6 @@ def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELa
     device = block.gate.weight.device
     with torch.device("meta"):
         layer = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)
-    F = cfg.d_ff
     ex = layer.experts
     lo, hi = ex.expert_offset, ex.expert_offset + ex.num_local
     gate_up = block.experts.gate_up_proj[lo:hi]  # [X, 2F, D]
@@ -167,9 +171,7 @@ def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELa
     # one process: views of the stock storage; expert parallelism: this rank's experts copied, so
     # the stock tensors (every expert) can be freed once the block is gone
     take = _view_param if ep == 1 else _copy_param
-    ex.w1 = take(gate_up[:, :F, :].transpose(1, 2))
-    ex.w3 = take(gate_up[:, F:, :].transpose(1, 2))
-    ex.w2 = take(down.transpose(1, 2))
+    ex.w1, ex.w3, ex.w2 = (take(w) for w in fused_to_ours(gate_up, down))
     mark_expert_params(ex.parameters(), ex.expert_offset, ex.num_global)
     if cfg.expert_bias:
         layer.router.expert_bias = block.gate.e_score_correction_bias

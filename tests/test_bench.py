@@ -18,3 +18,18 @@ def test_measure_side_by_side_reports_ratios(per_core):
     assert t > 0 and rate > 0 and frac > 0
     assert (core is None) != per_core and (core is None or core > 0)
     assert x.grad is not None and layer.experts.w1.grad is not None  # it ran forward and backward
+
+
+def test_bench_hf_steps_every_model_on_the_same_weights():
+    pytest.importorskip("transformers")
+    from experiments.bench_hf import measure, models_for
+
+    for arch in ("mixtral", "deepseek_v3"):
+        models = models_for(arch, layers=1, seq=12, sizes=(16, 8, 8, 2), vocab=50, heads=2)
+        assert set(models) == ({"stock", "patched", "ours"} if arch == "mixtral" else {"stock", "patched"})
+        torch.manual_seed(1)
+        r = measure(models, torch.randint(0, 50, (2, 12)), reps=1, device=torch.device("cpu"))
+        assert all(t > 0 for t in r["time"].values()) and set(r["ratios"]) == set(models) - {"stock"}
+        # the same weights and batch: the same first loss (fp32 rounding of a different op order)
+        for name, loss in r["loss"].items():
+            assert abs(loss - r["loss"]["stock"]) <= 1e-5 * r["loss"]["stock"], (arch, name, r["loss"])

@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import moe.hf as hf  # noqa: E402
+from moe.hf_mixtral import ours_to_fused  # noqa: E402
 from moe import MoELayer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
@@ -110,11 +111,10 @@ def _stock_grad(name: str, patched: dict[str, torch.nn.Parameter]) -> tuple[list
         "shared_experts.down_proj.weight": "shared_experts.w2.weight",
         "shared_expert_gate.weight": "shared_expert_gate.weight",
     }
-    if leaf == "experts.gate_up_proj":
-        w1, w3 = patched[mlp + "experts.w1"].grad, patched[mlp + "experts.w3"].grad
-        return [mlp + "experts.w1", mlp + "experts.w3"], torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=1)
-    if leaf == "experts.down_proj":
-        return [mlp + "experts.w2"], patched[mlp + "experts.w2"].grad.transpose(1, 2)
+    if leaf in ("experts.gate_up_proj", "experts.down_proj"):  # the mapping table's expert layouts
+        names = [mlp + f"experts.{w}" for w in ("w1", "w3", "w2")]
+        gate_up, down = ours_to_fused(*(patched[n].grad for n in names))
+        return (names[:2], gate_up) if leaf == "experts.gate_up_proj" else (names[2:], down)
     if leaf in remap:
         return [mlp + remap[leaf]], patched[mlp + remap[leaf]].grad
     raise KeyError(f"no mapping for the stock parameter {name}")
@@ -324,21 +324,14 @@ def test_expert_parallel_patch_matches_stock():
             checked = set()
             for n in names:
                 prefix, _, leaf = n.rpartition("mlp.")
+                pnames, g = _stock_grad(n, {k: _Grad(v) for k, v in got["grads"].items()})
+                checked.update(pnames)
                 if leaf in ("experts.gate_up_proj", "experts.down_proj"):
                     X = got["shapes"][prefix + "mlp.experts.w2"][0]
                     lo, hi = r * X, (r + 1) * X
-                    if leaf == "experts.gate_up_proj":
-                        w1, w3 = got["grads"][prefix + "mlp.experts.w1"], got["grads"][prefix + "mlp.experts.w3"]
-                        g = torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=1)
-                        checked |= {prefix + "mlp.experts.w1", prefix + "mlp.experts.w3"}
-                    else:
-                        g = got["grads"][prefix + "mlp.experts.w2"].transpose(1, 2)
-                        checked.add(prefix + "mlp.experts.w2")
                     _close(g, total[n][lo:hi], f"{arch} rank {r} grad of {n}[{lo}:{hi}]")
                 else:
-                    pnames, g = _stock_grad(n, {k: _Grad(v) for k, v in got["grads"].items()})
                     _close(g, per_rank[r][n], f"{arch} rank {r} grad of {n}")
-                    checked.update(pnames)
             assert checked == set(got["grads"]), sorted(set(got["grads"]) ^ checked)
 
 

@@ -118,8 +118,9 @@ def batches(accum: int, dp: int):
     return x, y
 
 
-def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, kind: str = "tiny"):
-    """One process, the same global batch and micro-batches, torch.optim.AdamW."""
+def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, kind: str = "tiny", skip: tuple = ()):
+    """One process, the same global batch and micro-batches, torch.optim.AdamW; the steps in
+    ``skip`` are left out (as if they never ran: no forward, no update)."""
     net = reference_net(kind)
     scale_aux_losses(net, 1.0 / accum)
     # matrices decay, norm gains and biases do not (the trainer's grouping)
@@ -129,6 +130,8 @@ def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, k
     x, y = batches(accum, dp)
     losses = []
     for s in range(steps):
+        if s in skip:
+            continue
         total = 0.0
         for m in range(accum):
             loss = ((net(x[s, m]) - y[s, m]) ** 2).mean() / accum

@@ -71,6 +71,19 @@ Under stage 3 a parameter's storage is empty outside its block's forward and bac
 with ``full_parameters()`` (or the shards with ``shard_metadata()``), not ``model.state_dict()``.
 ``p.grad`` stays None under every stage; ``full_gradients()`` returns the synchronised gradients.
 
+Non-finite steps: ``step()`` skips, on every rank alike, a step whose gradient norm is not finite
+(a NaN or inf gradient on any rank, or a norm that overflows fp32) or whose ``extra_finite`` flags
+(the caller's own checks, e.g. ``engine.step(extra_finite=torch.isfinite(loss))``: a loss that is
+NaN on one rank only) are False on any rank. The flags ride in the all-reduce that sums the norm,
+so the decision costs no extra collective and no extra host sync. A skipped step changes nothing:
+weights, optimizer state (moments and step counts) and ``step_count`` stay as they were, the
+gradients are dropped, and stage 3 frees its gathered weights as after a normal step. So a step
+never writes a non-finite gradient into the weights; ``weights_finite()`` checks the weights
+themselves (a collective). After each step: ``last_grad_norm`` (what step() returned),
+``last_step_skipped``, ``skipped_steps`` (the total) and ``last_nonfinite`` (for each entry of
+``extra_finite``, flattened, the number of ranks on which it was False). ``step(...,
+skip_if_nonfinite=False)`` applies the step anyway.
+
 Not supported: a block whose forward runs more than once per backward (weight sharing inside a
 block list across iterations of a loop); several backward passes per micro-batch outside
 ``no_sync()``; sparse gradients.
@@ -263,7 +276,12 @@ class ZeroEngine:
     ``keep_gathered_across_microbatches`` (stage 3): gather each block once per optimizer step and
     keep it until the step, for pipeline stages that run several micro-batches through the same
     weights. ``prefetch`` (stage 3): start the next block's gather early. ``sync_module_states``:
-    broadcast the weights from the first rank of each group at start-up.
+    broadcast the weights from the first rank of each group at start-up. ``entries``: the modules
+    whose forward starts a forward pass (default ``[model]``); a pipeline rank passes its stage
+    modules, which run the layers ``model`` holds (``zero.pipeline``). ``start_reduction()``
+    launches the reduction of what ``no_sync()`` accumulated without waiting (``step()`` waits),
+    and ``accumulate_param_grads(params)`` takes gradients that were assigned to ``.grad``
+    directly: the pipeline uses both.
 
     ``engine.lr = x`` sets the lr of every optimizer group (reading it needs them equal); per-group
     learning rates go through ``engine.optimizer.param_groups`` (or a ``torch.optim.lr_scheduler``
@@ -360,6 +378,9 @@ class ZeroEngine:
         self.opt_device = torch.device("cpu") if offload else self.device
         self.step_count = 0
         self.last_grad_norm: float | None = None  # what the last step() returned
+        self.last_step_skipped = False  # the last step() found a non-finite value and changed nothing
+        self.skipped_steps = 0  # steps skipped so far
+        self.last_nonfinite: list[int] = []  # per entry of the last step's extra_finite: ranks where it was False
         # instrumentation: stage 3 gathers and the most blocks (root excluded) gathered at once
         self.gather_stats = {"gathers": 0, "prefetches": 0, "max_gathered_blocks": 0}
 
@@ -511,6 +532,20 @@ class ZeroEngine:
         self._unreduced = False
         self._reduced = False
 
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """True when every trainable weight is finite, on every rank: each rank checks the master
+        weights its optimizer updates (its shards; all of them under stage 0) and one all-reduce
+        over dp (and pp) combines them. A collective: every rank must call it."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for f in self.flats:
+            for _, _, _, t in f.shards:
+                bad += (~torch.isfinite(t)).sum().to(self.device, torch.float32)
+        for group in (self.layout.dp_group, self.layout.pp_group):
+            if group is not None:
+                dist.all_reduce(bad, group=group)
+        return bad.item() == 0
+
     @property
     def lr(self) -> float:
         """The learning rate of every optimizer group (an error if they differ: read
@@ -527,9 +562,19 @@ class ZeroEngine:
             g["lr"] = value
 
     @torch.no_grad()
-    def step(self) -> float:
+    def step(self, extra_finite: torch.Tensor | None = None, *, skip_if_nonfinite: bool = True) -> float:
         """Clip, run the optimizer on every shard tensor, refresh the compute weights, drop the
-        gradients. Returns the global gradient 2-norm before clipping (each parameter counted once)."""
+        gradients. Returns the global gradient 2-norm before clipping (each parameter counted once).
+
+        A non-finite step is skipped on every rank (see "Non-finite steps" in the module docstring):
+        when the norm, or any entry of any rank's ``extra_finite`` (a bool tensor, True where the
+        caller's quantity is finite, e.g. ``torch.isfinite(loss)``; the same shape on every rank),
+        is not finite, nothing is updated and the gradients are dropped. ``extra_finite`` travels in
+        the norm's all-reduce. ``skip_if_nonfinite=False`` steps anyway (the old behaviour)."""
+        if extra_finite is not None and not (isinstance(extra_finite, torch.Tensor) and extra_finite.dtype == torch.bool):
+            got = f"a tensor of dtype {extra_finite.dtype}" if isinstance(extra_finite, torch.Tensor) else type(extra_finite).__name__
+            raise ValueError(f"extra_finite must be a bool tensor (True where the quantity is finite, e.g. "
+                             f"torch.isfinite(loss)), got {got}")
         if self._backward_open:
             self._finish_backward()
         if self._unreduced:  # every backward of this step ran under no_sync: reduce now
@@ -542,7 +587,13 @@ class ZeroEngine:
         # the reduction summed over the group: 1/dp makes dense gradients the dp mean and expert
         # gradients (summed over ep by the All-to-All and over edp here) the global-batch ones
         grad_scale = 1.0 / self.layout.dp
-        norm = self._global_grad_norm()
+        norm, self.last_nonfinite = self._global_grad_norm(extra_finite)
+        self.last_grad_norm = norm
+        self.last_step_skipped = skip_if_nonfinite and (not math.isfinite(norm) or any(self.last_nonfinite))
+        if self.last_step_skipped:  # the same decision on every rank: the inputs were all-reduced
+            self.skipped_steps += 1
+            self._release_step()
+            return norm
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the same factor
             grad_scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
@@ -580,13 +631,17 @@ class ZeroEngine:
         handles = [h for h in (f.launch_param_gather() for f in self.flats) if h is not None]
         for h in handles:
             h.wait()
+        self._release_step()
+        return norm
+
+    def _release_step(self) -> None:
+        """The end of every step, taken or skipped: the gradients are consumed, and under stage 3
+        the gathered weights are freed (stale after an update; the next forward gathers anew)."""
         for f in self.flats:
             f.discard_grads()
-        if self.stage == 3:  # gathered weights are stale now
+        if self.stage == 3:
             for u in self.units:
                 self._free_unit(u)
-        self.last_grad_norm = norm
-        return norm
 
     def shard_metadata(self) -> list[dict]:
         """What this rank's optimizer holds, one entry per flat group, so that shards written under
@@ -833,17 +888,23 @@ class ZeroEngine:
         self._reducing = False
         self._reduced = True
 
-    def _global_grad_norm(self) -> float:
+    def _global_grad_norm(self, extra_finite: torch.Tensor | None = None) -> tuple[float, list[int]]:
+        """The global gradient norm, and for each entry of ``extra_finite`` the number of ranks on
+        which it is False: one all-reduce over dp (and pp) carries both, and a non-finite gradient
+        on any rank makes the summed square non-finite everywhere."""
         # each rank's norm slices are disjoint: dense over dp, expert slices over edp and distinct
         # experts over ep, so one sum over dp (and pp) counts every parameter once
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for f in self.flats:
             g = f.norm_slice()
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self.device)
+        if extra_finite is not None:
+            sq = torch.cat([sq, (~extra_finite.reshape(-1)).to(self.device, torch.float32)])
         L = self.layout
         if L.dp_group is not None:
             dist.all_reduce(sq, group=L.dp_group)
         if L.pp_group is not None:
             dist.all_reduce(sq, group=L.pp_group)
-        return math.sqrt(sq.item()) / L.dp
+        values = sq.tolist()  # the step's one host sync
+        return math.sqrt(values[0]) / L.dp, [int(v) for v in values[1:]]
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import re
+import shutil
+import subprocess
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -147,11 +151,90 @@ def join_process_group(backend: str, timeout_s: float, rendezvous_timeout_s: flo
     _collective_timeout_s = float(timeout_s)
 
 
+# MASTER_PORT of a SLURM step when none is given: one port per job id, in a range below Linux's
+# ephemeral ports (32768-60999), so that two jobs sharing a node rarely pick the same one
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 10000
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``scontrol show hostnames`` when scontrol is installed,
+    else the list read here (``gpu[003-005,9],cpu1`` -> ``gpu003``: the first entry, each bracket
+    replaced by its first number, zero padding kept)."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=30, check=True).stdout.split()
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError):
+            pass  # the list is read below
+    depth, end = 0, len(nodelist)
+    for i, c in enumerate(nodelist):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            end = i
+            break
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], nodelist[:end].strip())
+
+
+def _env_int(env, name: str, *fallbacks: str) -> int:
+    for key in (name, *fallbacks):
+        if env.get(key, "") != "":
+            value = env[key]
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{key}={value!r} in the environment is not an integer") from None
+    raise ValueError(f"{' or '.join((name, *fallbacks))} is not set; a task of an srun step has it")
+
+
+def slurm_environment(env=None) -> dict[str, str] | None:
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) for this process
+    from SLURM's, or None when it is not a task of an srun step or when torchrun's RANK is set
+    (torchrun wins). ``env``: default ``os.environ``.
+
+    A task of a step has SLURM_STEP_ID: a batch script or an salloc shell also has SLURM_PROCID=0
+    and SLURM_NTASKS=N, but no peers will ever join it. RANK = SLURM_PROCID, WORLD_SIZE =
+    SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), LOCAL_RANK = SLURM_LOCALID. MASTER_ADDR: the
+    environment's if set, else the first host of the step's node list (SLURM_STEP_NODELIST, else
+    SLURM_JOB_NODELIST), which holds task 0 under SLURM's block and cyclic distributions, else
+    SLURM_LAUNCH_NODE_IPADDR (where srun ran: the first node in a batch job, but a login node
+    under salloc). MASTER_PORT: the environment's if set, else ``SLURM_PORT_BASE + SLURM_JOB_ID %
+    SLURM_PORT_SPAN``, the same on every task of the job."""
+    env = os.environ if env is None else env
+    if "RANK" in env or "SLURM_PROCID" not in env or not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        return None
+    rank = _env_int(env, "SLURM_PROCID")
+    world = _env_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    if not 0 <= rank < world:
+        raise ValueError(f"SLURM_PROCID={rank} is not a rank of the step's {world} tasks (valid: 0 to {world - 1})")
+    local = _env_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        addr = _first_host(nodelist) if nodelist else env.get("SLURM_LAUNCH_NODE_IPADDR")
+    if not addr:
+        raise ValueError("cannot tell the address of rank 0: none of MASTER_ADDR, SLURM_STEP_NODELIST, "
+                         "SLURM_JOB_NODELIST or SLURM_LAUNCH_NODE_IPADDR is set; export MASTER_ADDR")
+    port = env.get("MASTER_PORT") or str(SLURM_PORT_BASE + _env_int(env, "SLURM_JOB_ID", "SLURM_JOBID") % SLURM_PORT_SPAN)
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "MASTER_ADDR": addr, "MASTER_PORT": port}
+
+
 def init_distributed(timeout_s: float = 300.0, backend: str | None = None, rendezvous_timeout_s: float = 900.0) -> bool:
-    """Initialise torch.distributed from torchrun's environment (``join_process_group``); False when
-    not launched by it. NCCL when CUDA is available, gloo otherwise."""
+    """Initialise torch.distributed (``join_process_group``) from torchrun's environment or, when
+    not under torchrun, from SLURM's (a task of an srun step: ``slurm_environment``, whose
+    variables are then exported to this process's environment); False for a single process. NCCL
+    when CUDA is available, gloo otherwise."""
     if dist.is_initialized():
         return True
+    slurm = slurm_environment()
+    if slurm is not None:
+        if int(slurm["WORLD_SIZE"]) > 1:
+            os.environ.update(slurm)
+    elif "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS") or 1) > 1:
+        warnings.warn(f"SLURM_NTASKS={os.environ['SLURM_NTASKS']} but this process is not a task of an srun step (no "
+                      f"SLURM_STEP_ID: a batch script or an salloc shell): running as one process; start every task "
+                      f"with srun to train on all of them", stacklevel=2)
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
     if backend is None:
