@@ -427,6 +427,7 @@ def _meta(engine, step: int, extra: dict | None) -> dict:
     L = engine.layout
     return {
         "format": FORMAT, "step": int(step), "engine_step": engine.step_count,
+        "engine_skipped_steps": engine.skipped_steps,  # non-finite steps skipped so far (not in step_count)
         "layout": {"world": L.world, "pp": L.pp, "dp": L.dp, "ep": L.ep, "stage": engine.stage,
                    "offload": engine.offload, "mixed_precision": engine.mixed_precision},
         "optimizer": type(engine.optimizer).__name__,
@@ -547,6 +548,7 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
     if rng and f"{RNG}{rank}/torch" in tensors:
         _set_rng(tensors, rank)
     engine.step_count = int(meta["engine_step"])
+    engine.skipped_steps = int(meta.get("engine_skipped_steps", 0))
     _refresh_compute_weights(engine)
     return meta
 
