@@ -112,7 +112,7 @@ class MoELayer(nn.Module):
         # capacity and expert choice decide over the whole data-parallel batch, so the kept set is
         # the single-process one on every layout
         routing = self.router(x_TD, self.dp_group if self.dp_group is not None else self.ep_group)
-        out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts)
+        out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts, routing.max_kept)
         if self.router_logits_tap is not None:
             self.router_logits_tap(routing.logits_TE)
         if self.shared_experts is not None:

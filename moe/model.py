@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import MoEConfig
 from .experts import DenseFFN
-from routing_kernels.runtime import is_expert_param
+from routing_kernels.runtime import is_expert_param, recompute_context
 
 from .layer import MoELayer, moe_layers
 
@@ -198,7 +198,8 @@ class Transformer(nn.Module):
         for i in range(max(lo, 1) - 1, min(hi - 1, self.cfg.n_layers)):  # layer i + 1 is block i
             block = self.blocks[i]
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x_BLD = checkpoint(block, x_BLD, cos, sin, use_reentrant=False)
+                # the recompute context tells a compiled MoE layer it is being recomputed
+                x_BLD = checkpoint(block, x_BLD, cos, sin, use_reentrant=False, context_fn=recompute_context)
             else:
                 x_BLD = block(x_BLD, cos, sin)
         if hi == self.num_pipeline_layers:
