@@ -206,6 +206,16 @@ class Transformer(nn.Module):
             return self.lm_head(self.norm(x_BLD))
         return x_BLD
 
+    def compile_blocks(self, **compile_kwargs) -> None:
+        """``torch.compile`` each block, as torchtitan does: one graph per block (attention and
+        its MoE layer or dense FFN, no graph break), shared by blocks of the same kind. The block's
+        ``forward`` is compiled, not its call, so hooks on the block itself (ZeRO's gathers and
+        releases, pipeline bookkeeping) run eagerly around the graph and parameter names are
+        unchanged; hooks on modules inside a block (the trainer's statistics) are traced."""
+        for block in self.blocks:
+            if isinstance(block, Block):  # a pipeline placeholder (nn.Identity) has nothing to compile
+                block.forward = torch.compile(block.forward, **compile_kwargs)
+
     def pipeline_stage(self, lo: int, hi: int) -> "Transformer":
         """A module that runs pipeline layers ``[lo, hi)`` of this model (layer 0 the embedding,
         layer i + 1 block i, the last layer the final norm and lm_head); see ``keep_layers``."""

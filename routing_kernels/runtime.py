@@ -128,6 +128,13 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def first_pass_weight() -> float:
+    """1.0 in a forward, 0.0 in its recomputation (``in_backward()``): the factor for statistics a
+    forward accumulates in place. Multiplying rather than skipping keeps a compiled recomputation's
+    graph the forward's, which ``torch.utils.checkpoint`` requires (the same tensors saved)."""
+    return 0.0 if in_backward() else 1.0
+
+
 # --- the expert-parameter mark -------------------------------------------------------------------
 
 class ExpertShard(NamedTuple):
