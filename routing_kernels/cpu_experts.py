@@ -542,7 +542,11 @@ def _or_empty(t, like):
     return like.new_empty(0) if t is None else t
 
 
-@torch.library.custom_op("switchyard::cpu_expert_blocks", mutates_args=())
+# schemas written out rather than inferred from the annotations (older torch versions cannot read
+# ``X | None`` annotations under ``from __future__ import annotations``)
+@torch.library.custom_op("switchyard::cpu_expert_blocks", mutates_args=(), schema=(
+    "(Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK, SymInt num_rows)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _op_forward(x: torch.Tensor, counts_X: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor,
                 dest_TK: torch.Tensor | None, weights_TK: torch.Tensor | None, num_rows: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -560,7 +564,9 @@ def _(x, counts_X, w1, w3, w2, dest_TK, weights_TK, num_rows):
             counts_X.new_empty(num_rows if tokens else 0), x.new_empty(num_rows if tokens else 0))
 
 
-@torch.library.custom_op("switchyard::cpu_expert_blocks_backward", mutates_args=())
+@torch.library.custom_op("switchyard::cpu_expert_blocks_backward", mutates_args=(), schema=(
+    "(Tensor grad, Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK,"
+    " Tensor h1, Tensor h3, Tensor src, Tensor w, bool need_x, bool need_w) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _op_backward(grad: torch.Tensor, x: torch.Tensor, counts_X: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None,
                  w2: torch.Tensor, dest_TK: torch.Tensor | None, weights_TK: torch.Tensor | None, h1: torch.Tensor,
                  h3: torch.Tensor, src: torch.Tensor, w: torch.Tensor, need_x: bool, need_w: bool

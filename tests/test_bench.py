@@ -18,3 +18,24 @@ def test_measure_side_by_side_reports_ratios(per_core):
     assert t > 0 and rate > 0 and frac > 0
     assert (core is None) != per_core and (core is None or core > 0)
     assert x.grad is not None and layer.experts.w1.grad is not None  # it ran forward and backward
+
+
+def test_base_step_spec_matches_the_config_tree():
+    # the GPU box runs the MFU step without hydra, from plain values that must stay model=base's
+    pytest.importorskip("hydra")
+    from experiments.bench_moe_layer import BASE
+    from tests.test_train import cfg_of
+
+    cfg = cfg_of("model=base", "data=tokens")
+    for key, value in BASE.items():
+        if key == "moe":
+            assert {k: cfg.moe[k] for k in value} == value
+        else:
+            assert cfg.model[key] == value, key
+
+
+def test_training_step_mfu_runs_on_a_tiny_model():
+    from experiments.bench_moe_layer import TINY, train_step_mfu
+
+    r = train_step_mfu(TINY, 2, 16, torch.device("cpu"), torch.float32, compile_blocks=False, reps=1, matmul_n=64)
+    assert r["step_s"] > 0 and r["model_flops"] > 6 * r["params"]["active"] * 32 and 0 < r["mfu"]
