@@ -38,7 +38,7 @@ class _AttachAuxLoss(torch.autograd.Function):
             # traced, an identity output is a view of ``out``; when ``out`` is a graph input (a
             # graph break before it, e.g. expert parallelism's exchange) AOTAutograd replays that
             # view outside the graph and this backward, the aux losses' gradient, is lost. A copy
-            # is a new tensor (Inductor folds it into its producer).
+            # is a new tensor (its cost under Inductor is not measured yet).
             return out.clone()
         return out
 
