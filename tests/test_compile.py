@@ -26,6 +26,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TOL = 1e-5  # see the module docstring
 
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # each test compiles its own models: dynamo's caches (and its per-function recompile limit,
+    # past which it would silently run eager) start empty
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
 MOE = {
     # Mixtral: dropless token choice, softmax then top-2
     "dropless": MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2, z_loss_coef=1e-2),
@@ -49,6 +58,10 @@ def _model(kind: str, **kw) -> Transformer:
 
 def _ids(seed=0):
     return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -86,7 +99,6 @@ def test_compiled_block_equals_eager(kind, backend):
         for layer in model.moe_layers():
             layer.router_logits_tap = _Tap()
             layer.router_logits_tap.register_forward_hook(lambda m, a, out: m.seen.append(a[0].detach().clone()))
-    torch._dynamo.reset()
     with rk.use_expert_backend(backend):
         for model in (eager, compiled):
             for step in range(2):  # the second call runs the cached graph
@@ -95,6 +107,7 @@ def test_compiled_block_equals_eager(kind, backend):
                 logits.square().mean().backward()
                 taps.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
                              [layer.stats for layer in model.moe_layers()]))
+    assert _graphs_compiled() >= 1  # the blocks did compile (not a silent fallback to eager)
     for (y_e, g_e, s_e), (y_c, g_c, s_c) in zip(taps[:2], taps[2:]):
         assert _close(y_e, y_c)
         assert g_e.keys() == g_c.keys()
@@ -154,9 +167,9 @@ def test_train_compile_curve_equals_eager(tmp_path, monkeypatch, zero_stage):
     common = ["model=tiny", "model.n_layers=2", "logger=none", "train.progress=false", "train.batch_size=4", "train.seq_len=16",
               "train.steps=10", "train.log_every=1", "train.eval_every=5", "train.eval_batches=1", "optim.warmup_steps=2",
               f"parallel.zero_stage={zero_stage}", "moe.z_loss_coef=1e-2"]
-    torch._dynamo.reset()
     eager = run(cfg_of(*common), tmp_path, stdlib, "eager", keep_weights=True)
     compiled = run(cfg_of(*common, "train.compile=true"), tmp_path, stdlib, "compiled", keep_weights=True)
+    assert _graphs_compiled() >= 2  # training and validation (eval mode) graphs
     assert len(compiled["train_losses"]) == 10
     for a, b in zip(eager["train_losses"], compiled["train_losses"]):
         assert abs(a - b) <= TOL * max(1.0, abs(a))
