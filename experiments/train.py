@@ -229,7 +229,7 @@ class MoEStatSums:
             # its forward's graph (routing_kernels.runtime.first_pass_weight)
             w = first_pass_weight()
             if layer.training and (w or torch.compiler.is_compiling()):
-                self.load_LE[i] += layer.stats.tokens_per_expert * w
+                self.load_LE[i] += layer.stats.tokens_per_expert.double() * w
                 self.aux_LQ[i, 0] += layer.stats.aux_loss.double() * w
                 self.aux_LQ[i, 1] += layer.stats.z_loss.double() * w
                 self.drop_L[i] += layer.stats.dropped_fraction.double() * w
