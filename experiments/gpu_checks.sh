@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # Every check and benchmark that needs a GPU, in one run (a lent GPU is billed by the minute):
 #   bash experiments/gpu_checks.sh OUT_DIR
-#   CHECKS="tests layer" bash experiments/gpu_checks.sh OUT_DIR     # a subset: tests layer kernels
+#   CHECKS="tests layer" bash experiments/gpu_checks.sh OUT_DIR     # a subset: tests layer mfu kernels
 # Needs torch, triton, einops and pytest only (no hydra, no wandb); runs from the repository root.
 # Each stage has its own time limit, so one that hangs cannot take the others' results with it.
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR}
-checks=${CHECKS:-tests layer kernels}
+checks=${CHECKS:-tests layer mfu kernels}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 { nvidia-smi -L; $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/env.log"
 case " $checks " in *" tests "*)
   # compiled Triton kernels (no TRITON_INTERPRET here), the expert backends on the GPU, ZeRO on CUDA
-  echo "== CUDA tests"; timeout 300 $py -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log";;
+  echo "== CUDA tests"; timeout 420 $py -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log";;
 esac
 case " $checks " in *" layer "*)
-  echo "== MoE layer vs dense FFN"; timeout 180 $py -m experiments.bench_moe_layer --device cuda --grouped-mm --reps 10 2>&1 | tee "$out/bench_moe_layer_gpu.log";;
+  # S1, S2, fine-grained and Mixtral shapes, eager and compiled, each against a dense SwiGLU FFN of
+  # the same FLOPs (bf16, forward + backward)
+  echo "== MoE layer vs dense FFN, eager and compiled"
+  timeout 420 $py -m experiments.bench_moe_layer --device cuda --grouped-mm --compile --reps 10 2>&1 | tee "$out/bench_moe_layer_gpu.log";;
+esac
+case " $checks " in *" mfu "*)
+  # a model=base training step (8 x 1024 tokens, bf16 weights, AdamW), eager and with every block
+  # compiled: model-FLOPs utilisation against the bf16 8192^3 matmul rate measured in the same run
+  echo "== model=base training step MFU"
+  timeout 420 $py -m experiments.bench_moe_layer --device cuda --mfu --compile --reps 10 2>&1 | tee "$out/mfu_base.log";;
 esac
 case " $checks " in *" kernels "*)
   echo "== routing kernels and fused AdamW"; timeout 240 $py -m experiments.bench_kernels --no-sweep --json "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.log";;

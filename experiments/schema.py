@@ -125,6 +125,8 @@ class TrainLoopConfig:
     # a step whose loss, MoE aux loss or gradient norm is non-finite on any rank is skipped on every
     # rank; after this many skipped steps in a row the run stops with an error naming the quantity
     max_bad_steps: int = 10
+    # torch.compile each transformer block (its forward; the module hooks stay eager), see the README
+    compile: bool = False
 
 
 @dataclass

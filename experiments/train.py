@@ -37,7 +37,7 @@ from experiments.data import LMData, build_data
 from experiments.nonfinite import StepGuard
 from experiments.tracking import MetricsFile, finite_or_none, hydra_job_info, make_tracker, to_json
 from moe.model import Transformer, TransformerConfig
-from routing_kernels.runtime import in_backward
+from routing_kernels.runtime import first_pass_weight
 from zero.pipeline import Pipeline, PipelinePlan, plan_pipeline
 
 
@@ -234,11 +234,14 @@ class MoEStatSums:
 
     def _hook(self, i: int):
         def hook(layer, args, out):
-            if layer.training and not in_backward():
-                self.load_LE[i] += layer.stats.tokens_per_expert
-                self.aux_LQ[i, 0] += layer.stats.aux_loss.double()
-                self.aux_LQ[i, 1] += layer.stats.z_loss.double()
-                self.drop_L[i] += layer.stats.dropped_fraction.double()
+            # times 0 in a recomputation, not skipped: a compiled block's recomputation then traces
+            # its forward's graph (routing_kernels.runtime.first_pass_weight)
+            w = first_pass_weight()
+            if layer.training and (w or torch.compiler.is_compiling()):
+                self.load_LE[i] += layer.stats.tokens_per_expert.double() * w
+                self.aux_LQ[i, 0] += layer.stats.aux_loss.double() * w
+                self.aux_LQ[i, 1] += layer.stats.z_loss.double() * w
+                self.drop_L[i] += layer.stats.dropped_fraction.double() * w
         return hook
 
 
@@ -305,6 +308,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
     model = build_model(cfg, layout).to(device)
     model.train()
+    if tcfg.compile:
+        model.compile_blocks()
     params = model.param_counts()
     all_layers = model.moe_layers()  # of the whole model; a pipeline rank runs some of them
     layer_index = {layer: i for i, layer in enumerate(all_layers)}

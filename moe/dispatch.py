@@ -21,11 +21,13 @@ from .experts import GroupedExperts
 
 
 class LocalDispatcher:
-    """All experts live in this process."""
+    """All experts live in this process. Nothing is read on the host: the counts stay on the device
+    and ``max_kept`` (``Routing.max_kept``) sizes the rows in expert order."""
 
-    def __call__(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+    def __call__(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: GroupedExperts,
+                 max_kept: int | None = None) -> torch.Tensor:
         counts_X, _, dest_TK = rk.routing_metadata(expert_ids_TK, experts.num_local)
-        return experts(x_TD, counts_X.tolist(), dest_TK=dest_TK, weights_TK=weights_TK)
+        return experts(x_TD, counts_X, dest_TK=dest_TK, weights_TK=weights_TK, num_rows=max_kept)
 
 
 def _chunk_order(counts_RX: torch.Tensor, by_rank_first: bool) -> torch.Tensor:
@@ -66,8 +68,12 @@ class AllToAllDispatcher:
 
     def __init__(self, ep_group):
         self.group = ep_group
+        # the count exchange stays outside torch.compile's graphs (below); wrapped here rather than
+        # by a decorator, since torch.compiler.disable imports dynamo (and triton), which a plain
+        # `import moe` must not
+        self._exchange = torch.compiler.disable(self._exchange)
 
-    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: GroupedExperts):
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: GroupedExperts, max_kept: int | None = None):
         R = group_size(self.group)
         X = experts.num_local
         E = X * R
@@ -75,6 +81,15 @@ class AllToAllDispatcher:
         if experts.num_global != E or experts.expert_offset != me * X:
             raise ValueError(f"experts hold [{experts.expert_offset}, +{X}) of {experts.num_global}; expected rank {me} of {R} to hold [{me * X}, +{X}) of {E}")
         counts_E, _, dest_TK = rk.routing_metadata(expert_ids_TK, E)
+        return self._exchange(x_TD, counts_E, dest_TK, weights_TK, experts)
+
+    # The one host read of the MoE path: the All-to-All split sizes are Python ints, and every row
+    # count after them depends on the data. torch.compile does not trace this function (one graph
+    # break per expert-parallel MoE layer, torch.compiler.disable in __init__); it runs eagerly,
+    # local experts included.
+    def _exchange(self, x_TD, counts_E, dest_TK, weights_TK, experts: GroupedExperts):
+        R = group_size(self.group)
+        X = experts.num_local
         # 1. exchange counts: recv_RX[r, x] = rows rank r sends to my local expert x
         send_RX = counts_E.view(R, X)
         recv_RX = torch.empty_like(send_RX)
@@ -87,7 +102,7 @@ class AllToAllDispatcher:
         # 3. [source rank][local expert] -> [local expert][source rank]; within an expert the rows
         # then follow global token order, as in the single-process layer
         x_local = _Gather.apply(x_recv, _chunk_order(recv_RX, by_rank_first=True))
-        y_local = experts(x_local, recv_RX.sum(0).tolist())
+        y_local = experts(x_local, recv_RX.sum(0))
         y_recv = _Gather.apply(y_local, _chunk_order(recv_RX, by_rank_first=False))
         y_SD = all_to_all(y_recv, send_splits, recv_splits, self.group)
         return rk.unpermute_combine(y_SD, dest_TK, weights_TK.to(y_SD.dtype))

@@ -60,12 +60,13 @@ class GroupedExperts(nn.Module):
                 g = torch.Generator().manual_seed(base + 3 * (self.expert_offset + e) + j)
                 w[e].copy_(torch.rand(w.shape[1:], generator=g).mul_(2 * bound).sub_(bound))
 
-    def forward(self, x: torch.Tensor, counts: list[int], dest_TK: torch.Tensor | None = None,
-                weights_TK: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``x_SD`` in expert order (``counts[e]`` rows per expert) -> ``[S, D]`` in that order; or,
-        given ``dest_TK``/``weights_TK`` from ``routing_kernels.routing_metadata`` and the router,
-        tokens ``x_TD`` -> each token's routed outputs summed with its weights, ``[T, D]``."""
-        return rk.expert_ffn(x, counts, self.w1, self.w3, self.w2, dest_TK=dest_TK, weights_TK=weights_TK)
+    def forward(self, x: torch.Tensor, counts, dest_TK: torch.Tensor | None = None,
+                weights_TK: torch.Tensor | None = None, num_rows: int | None = None) -> torch.Tensor:
+        """Rows ``x_SD`` in expert order (``counts[e]`` rows per expert, a device tensor or a list)
+        -> ``[S, D]`` in that order; or, given ``dest_TK``/``weights_TK`` from
+        ``routing_kernels.routing_metadata`` and the router, tokens ``x_TD`` -> each token's routed
+        outputs summed with its weights, ``[T, D]`` (``num_rows``: a static bound on the kept rows)."""
+        return rk.expert_ffn(x, counts, self.w1, self.w3, self.w2, dest_TK=dest_TK, weights_TK=weights_TK, num_rows=num_rows)
 
 
 class DenseFFN(nn.Module):

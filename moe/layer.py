@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from routing_kernels.runtime import all_reduce_sum, group_size, in_backward, is_expert_param
+from routing_kernels.runtime import all_reduce_sum, first_pass_weight, group_size, is_expert_param
 
 from .config import MoEConfig
 from .dispatch import AllToAllDispatcher, LocalDispatcher
@@ -34,6 +34,12 @@ class _AttachAuxLoss(torch.autograd.Function):
         ctx.scale = scale
         ctx.aux_shape = aux_loss.shape
         ctx.aux_dtype = aux_loss.dtype
+        if torch.compiler.is_compiling():
+            # traced, an identity output is a view of ``out``; when ``out`` is a graph input (a
+            # graph break before it, e.g. expert parallelism's exchange) AOTAutograd replays that
+            # view outside the graph and this backward, the aux losses' gradient, is lost. A copy
+            # is a new tensor (its cost under Inductor is not measured yet).
+            return out.clone()
         return out
 
     @staticmethod
@@ -112,7 +118,7 @@ class MoELayer(nn.Module):
         # capacity and expert choice decide over the whole data-parallel batch, so the kept set is
         # the single-process one on every layout
         routing = self.router(x_TD, self.dp_group if self.dp_group is not None else self.ep_group)
-        out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts)
+        out_TD = self.dispatcher(x_TD, routing.expert_ids_TK, routing.weights_TK, self.experts, routing.max_kept)
         if self.router_logits_tap is not None:
             self.router_logits_tap(routing.logits_TE)
         if self.shared_experts is not None:
@@ -160,9 +166,14 @@ class MoELayer(nn.Module):
         if torch.is_grad_enabled() and aux.requires_grad:
             out_TD = _AttachAuxLoss.apply(out_TD, aux, self.aux_loss_scale)
 
-        if not in_backward():
+        # a forward's statistics, not those of activation checkpointing's recomputation. A compiled
+        # recomputation must trace the graph its forward traced (checkpoint requires both to save
+        # the same tensors), so under torch.compile the load is added times 0 and the statistics
+        # (the same values) are set again, rather than skipped
+        counted = first_pass_weight()
+        if counted or torch.compiler.is_compiling():
             if self.training:
-                self.load_since_update += counts_E.to(self.load_since_update.dtype)
+                self.load_since_update += counts_E.to(self.load_since_update.dtype) * counted
             self.stats = MoEStats(
                 aux_loss=lb_value.detach(),
                 seq_aux_loss=seq_loss.detach(),

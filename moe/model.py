@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import MoEConfig
 from .experts import DenseFFN
-from routing_kernels.runtime import is_expert_param
+from routing_kernels.runtime import is_expert_param, recompute_context
 
 from .layer import MoELayer, moe_layers
 
@@ -198,12 +198,23 @@ class Transformer(nn.Module):
         for i in range(max(lo, 1) - 1, min(hi - 1, self.cfg.n_layers)):  # layer i + 1 is block i
             block = self.blocks[i]
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x_BLD = checkpoint(block, x_BLD, cos, sin, use_reentrant=False)
+                # the recompute context tells a compiled MoE layer it is being recomputed
+                x_BLD = checkpoint(block, x_BLD, cos, sin, use_reentrant=False, context_fn=recompute_context)
             else:
                 x_BLD = block(x_BLD, cos, sin)
         if hi == self.num_pipeline_layers:
             return self.lm_head(self.norm(x_BLD))
         return x_BLD
+
+    def compile_blocks(self, **compile_kwargs) -> None:
+        """``torch.compile`` each block, as torchtitan does: one graph per block (attention and
+        its MoE layer or dense FFN, no graph break), shared by blocks of the same kind. The block's
+        ``forward`` is compiled, not its call, so hooks on the block itself (ZeRO's gathers and
+        releases, pipeline bookkeeping) run eagerly around the graph and parameter names are
+        unchanged; hooks on modules inside a block (the trainer's statistics) are traced."""
+        for block in self.blocks:
+            if isinstance(block, Block):  # a pipeline placeholder (nn.Identity) has nothing to compile
+                block.forward = torch.compile(block.forward, **compile_kwargs)
 
     def pipeline_stage(self, lo: int, hi: int) -> "Transformer":
         """A module that runs pipeline layers ``[lo, hi)`` of this model (layer 0 the embedding,

@@ -29,6 +29,13 @@ class Routing:
     probs_TE: torch.Tensor  # per-token distribution over experts (softmax, or normalised sigmoid)
     selected_TK: torch.Tensor  # experts chosen before capacity (token choice), for load statistics
     num_dropped: torch.Tensor  # assignments dropped at capacity (local, long scalar)
+    # a bound on the kept assignments known from shapes alone (T*K dropless; at most E*cap under a
+    # capacity), so the rows in expert order have a static size: no host read of the counts
+    max_kept: int = -1
+
+    def __post_init__(self):
+        if self.max_kept < 0:
+            self.max_kept = self.expert_ids_TK.numel()
 
 
 def capacity(capacity_factor: float, top_k: int, num_tokens: int, num_experts: int) -> int:
@@ -57,7 +64,8 @@ def capacity_keep_mask(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, nu
     else:
         by_weight = torch.argsort(-weights_TK.reshape(-1).detach(), stable=True)
         order = by_weight[torch.argsort(flat_ids[by_weight], stable=True)]
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    # a scatter-add, not bincount: its output size is known from the shapes (torch.compile)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_ids.device).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
     starts = torch.cumsum(counts, 0) - counts
     rank_sorted = torch.arange(A, device=flat_ids.device) - starts[flat_ids[order]]
     rank = torch.empty_like(rank_sorted)
@@ -111,6 +119,7 @@ class Router(nn.Module):
 
         selected_TK = ids_TK
         num_dropped = torch.zeros((), dtype=torch.long, device=ids_TK.device)
+        max_kept = ids_TK.numel()
         if cfg.capacity_factor is not None:
             all_ids, start = gather_rows(ids_TK, group)
             all_w, _ = gather_rows(weights_TK.detach(), group)
@@ -119,7 +128,8 @@ class Router(nn.Module):
             num_dropped = (~keep_TK).sum()
             ids_TK = torch.where(keep_TK, ids_TK, torch.full_like(ids_TK, -1))
             weights_TK = weights_TK * keep_TK
-        return Routing(ids_TK, weights_TK, logits_TE, probs_TE, selected_TK, num_dropped)
+            max_kept = min(max_kept, E * cap)
+        return Routing(ids_TK, weights_TK, logits_TE, probs_TE, selected_TK, num_dropped, max_kept)
 
     def _limit_groups(self, select_TE):
         # DeepSeek-V3: a group's score is the sum of its top-2 experts; keep topk_groups groups
@@ -150,7 +160,7 @@ class Router(nn.Module):
         ids_TE = torch.where(chosen_TE, arange_E, torch.full_like(arange_E, -1))
         weights_TE = probs_TE * chosen_TE * cfg.route_scale
         num_dropped = torch.zeros((), dtype=torch.long, device=logits_TE.device)
-        return Routing(ids_TE, weights_TE, logits_TE, probs_TE, ids_TE, num_dropped)
+        return Routing(ids_TE, weights_TE, logits_TE, probs_TE, ids_TE, num_dropped, min(ids_TE.numel(), E * cap))
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor, rate: float) -> None:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .reference import source_tokens
+from .reference import row_weights, source_tokens
 
 
 # rows per block of an expert's segment: the [block, F] elementwise work (activation, its
@@ -313,6 +313,164 @@ def _rows_to_tokens(rows_SD: torch.Tensor, dest_TK: torch.Tensor, src_S: torch.T
     return out_TD
 
 
+def _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts: list[int], num_rows: int, pool: "_BufferPool"):
+    """The forward of ``_ExpertBlocks`` (its docstring): returns the output and what the backward
+    needs, ``(out, h1_RF, h3_RF, src_R, w_R)``. ``num_rows`` (R) bounds the kept rows S =
+    sum(counts) and sizes the saved buffers, so their shapes do not depend on the routing; rows
+    past S are never read. ``h3_RF`` is None for GELU; ``src_R``, ``w_R`` (each row's token and
+    combine weight) are None in rows mode."""
+    S, D, F = sum(counts), x.shape[1], w1.shape[2]
+    if S > num_rows:
+        raise ValueError(f"the counts add up to {S} rows, more than the bound num_rows={num_rows}")
+    swiglu = w3 is not None
+    tokens = dest_TK is not None
+    src_S = w_S = None
+    if tokens:
+        src_S = source_tokens(dest_TK, num_rows)
+        w_S = row_weights(dest_TK, weights_TK, num_rows, x.dtype)  # combine weights in row order
+    # h1 (and h3) are saved, in buffers the pool keeps from step to step (sized by the bound: the
+    # same shape every step)
+    h1_SF = pool.empty("h1", (num_rows, F), x)
+    h3_SF = pool.empty("h3", (num_rows, F), x) if swiglu else None
+    lanes = _lane_count(counts, x, F)
+    # tokens: the outputs' rows plus a zero row that dropped slots read (see _rows_to_tokens)
+    y_SD = pool.empty("rows", (S + 1, D), x) if tokens else pool.empty("y", (num_rows, D), x)
+    if tokens:
+        y_SD[S].zero_()
+    block = _ROW_BLOCK
+    rows = min(S, block)
+    # every buffer is taken here, on this thread: the pool is not shared with the lanes
+    scratch = [(pool.block(f"x{i}", rows, D, x) if tokens else None, pool.block(f"act{i}", rows, F, x)) for i in range(lanes)]
+    queue = _BlockQueue(counts, block, lanes)
+
+    def lane(i: int) -> None:
+        x_BD, act_BF = scratch[i]
+        while (unit := queue.take()) is not None:
+            e, a, b, _ = unit
+            act, h1 = act_BF[: b - a], h1_SF[a:b]
+            if tokens:
+                xe = torch.index_select(x, 0, src_S[a:b], out=x_BD[: b - a])
+            else:
+                xe = x[a:b]
+            torch.mm(xe, w1[e], out=h1)
+            if swiglu:
+                h3 = h3_SF[a:b]
+                torch.mm(xe, w3[e], out=h3)
+                _silu_out(h1, out=act)
+                act.mul_(h3)
+            else:
+                _gelu_out(h1, out=act)
+            y = y_SD[a:b]
+            torch.mm(act, w2[e], out=y)
+            if tokens:
+                y.mul_(w_S[a:b].unsqueeze(1))
+
+    _run_lanes(lane, lanes, queue)
+    if tokens:
+        out = _rows_to_tokens(y_SD, dest_TK, src_S[:S], pool.empty("out", (x.shape[0], D), x), lanes)
+    else:
+        out = y_SD
+        out[S:].zero_()  # rows past the kept ones (x sized by a bound) belong to no expert
+    return out, h1_SF, h3_SF, src_S, w_S
+
+
+def _blocks_backward(grad, x, w1, w3, w2, dest_TK, weights_dtype, counts: list[int], h1_SF, h3_SF, src_S, w_S,
+                     need_x: bool, need_w: bool, pool: "_BufferPool"):
+    """The backward of ``_ExpertBlocks`` from what ``_blocks_forward`` returned: ``(dx, grad_weights,
+    dw1, dw3, dw2)``, ``dx`` None unless ``need_x``, ``grad_weights`` (the combine weights', tokens
+    mode) None unless ``need_w``."""
+    swiglu = w3 is not None
+    tokens = dest_TK is not None
+    grad = grad.contiguous()
+    S, F = sum(counts), h1_SF.shape[1]
+    D = x.shape[1]
+    need_w = tokens and need_w
+    lanes = _lane_count(counts, x, F)
+    dx_SD = None  # the input gradient's rows (tokens: + the zero row, like the forward's)
+    if need_x:
+        dx_SD = pool.empty("rows", (S + 1, D), x) if tokens else pool.empty("dx_rows", x.shape, x)
+        if tokens:
+            dx_SD[S].zero_()
+    dw_S = x.new_empty(S) if need_w else None  # dL/d combine weight, row order
+    # weight gradients: the view lent becomes p.grad itself (autograd adopts a gradient that
+    # nothing else refers to), so its buffer is lent again once the training loop drops p.grad
+    dw1, dw2 = pool.empty("dw1", w1.shape, w1), pool.empty("dw2", w2.shape, w2)
+    dw3 = pool.empty("dw3", w3.shape, w3) if swiglu else None
+    block = _ROW_BLOCK
+    rows = min(S, block)
+    scratch = [(*((pool.block(f"g{i}", rows, D, x), pool.block(f"x{i}", rows, D, x)) if tokens else (None, None)),
+                *(pool.block(f"scratch{j}_{i}", rows, F, x) for j in range(4)))
+               for i in range(lanes)]
+    queue = _BlockQueue(counts, block, lanes)
+
+    def lane(i: int) -> None:
+        g_BD, x_BD, buf_a, buf_b, buf_c, buf_d = scratch[i]
+        while (unit := queue.take()) is not None:
+            e, a, b, turn = unit
+            n = b - a
+            h1 = h1_SF[a:b]
+            dact, silu, act, tmp = buf_a[:n], buf_b[:n], buf_c[:n], buf_d[:n]
+            if tokens:
+                g = torch.index_select(grad, 0, src_S[a:b], out=g_BD[:n])  # dL/d(w * y) of each row
+            else:
+                g = grad[a:b]
+            torch.mm(g, w2[e].t(), out=dact)  # dL/d act (tokens: per unit weight)
+            if swiglu:
+                h3 = h3_SF[a:b]
+                _silu_out(h1, out=silu)
+                torch.mul(silu, h3, out=act)
+            else:
+                _gelu_out(h1, out=act)
+            if need_w:
+                # row-wise <act, dact>: a product and a row sum run 3x faster than a [1, F] x [F, 1] bmm
+                torch.sum(torch.mul(act, dact, out=tmp), dim=1, out=dw_S[a:b])
+            if tokens:
+                w = w_S[a:b].unsqueeze(1)
+                g.mul_(w)
+                dact.mul_(w)
+                xe = torch.index_select(x, 0, src_S[a:b], out=x_BD[:n])
+            else:
+                xe = x[a:b]
+            if swiglu:
+                torch.mul(dact, silu, out=tmp)  # dh3
+                dact.mul_(h3)
+                _silu_backward_out(dact, h1, grad_input=silu)  # dh1
+                dh1, dh3 = silu, tmp
+            else:
+                _gelu_backward_out(dact, h1, grad_input=silu)
+                dh1 = silu
+            if need_x:
+                dx = dx_SD[a:b]
+                torch.mm(dh1, w1[e].t(), out=dx)
+                if swiglu:
+                    dx.addmm_(dh3, w3[e].t())
+            # this expert's weight gradients, block after block in order (see _BlockQueue)
+            queue.wait_turn(e, turn)
+            _mm_into(dw2[e], act.t(), g, turn > 0)
+            _mm_into(dw1[e], xe.t(), dh1, turn > 0)
+            if swiglu:
+                _mm_into(dw3[e], xe.t(), dh3, turn > 0)
+            queue.end_turn(e)
+
+    _run_lanes(lane, lanes, queue)
+    dx = None
+    if need_x:
+        if tokens:
+            dx = _rows_to_tokens(dx_SD, dest_TK, src_S[:S], pool.empty("dx", x.shape, x), lanes)
+        else:
+            dx = dx_SD
+            dx[S:].zero_()  # rows past the kept ones took no part
+    for dw in (dw1, dw3, dw2):
+        if dw is not None:
+            _zero_empty(dw, counts)
+    grad_w = None
+    if need_w:
+        valid = dest_TK >= 0
+        grad_w = torch.where(valid, dw_S[dest_TK.clamp(min=0)] if S else torch.zeros_like(dest_TK, dtype=dw_S.dtype),
+                             torch.zeros((), dtype=dw_S.dtype)).to(weights_dtype)
+    return dx, grad_w, dw1, dw3, dw2
+
+
 class _ExpertBlocks(torch.autograd.Function):
     """Every local expert's FFN over its rows, one row block at a time, in lanes (above).
 
@@ -332,155 +490,19 @@ class _ExpertBlocks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weights_TK, w1, w3, w2, dest_TK, counts, pool):
-        S, D, F = sum(counts), x.shape[1], w1.shape[2]
-        swiglu = w3 is not None
-        tokens = dest_TK is not None
-        src_S = w_S = None
-        if tokens:
-            flat = dest_TK.reshape(-1)
-            valid = flat >= 0
-            src_S = source_tokens(dest_TK, S)
-            w_S = torch.empty(S, dtype=x.dtype, device=x.device)  # combine weights in row order
-            w_S[flat[valid]] = weights_TK.reshape(-1)[valid].to(x.dtype)
-        # h1 (and h3) are saved, in buffers the pool keeps from step to step (dropless: S = k*T,
-        # the same shape every step)
-        h1_SF = pool.empty("h1", (S, F), x)
-        h3_SF = pool.empty("h3", (S, F), x) if swiglu else None
-        lanes = _lane_count(counts, x, F)
-        # tokens: the outputs' rows plus a zero row that dropped slots read (see _rows_to_tokens)
-        y_SD = pool.empty("rows", (S + 1, D), x) if tokens else pool.empty("y", (S, D), x)
-        if tokens:
-            y_SD[S].zero_()
-        block = _ROW_BLOCK
-        rows = min(S, block)
-        # every buffer is taken here, on this thread: the pool is not shared with the lanes
-        scratch = [(pool.block(f"x{i}", rows, D, x) if tokens else None, pool.block(f"act{i}", rows, F, x)) for i in range(lanes)]
-        queue = _BlockQueue(counts, block, lanes)
-
-        def lane(i: int) -> None:
-            x_BD, act_BF = scratch[i]
-            while (unit := queue.take()) is not None:
-                e, a, b, _ = unit
-                act, h1 = act_BF[: b - a], h1_SF[a:b]
-                if tokens:
-                    xe = torch.index_select(x, 0, src_S[a:b], out=x_BD[: b - a])
-                else:
-                    xe = x[a:b]
-                torch.mm(xe, w1[e], out=h1)
-                if swiglu:
-                    h3 = h3_SF[a:b]
-                    torch.mm(xe, w3[e], out=h3)
-                    _silu_out(h1, out=act)
-                    act.mul_(h3)
-                else:
-                    _gelu_out(h1, out=act)
-                y = y_SD[a:b]
-                torch.mm(act, w2[e], out=y)
-                if tokens:
-                    y.mul_(w_S[a:b].unsqueeze(1))
-
-        _run_lanes(lane, lanes, queue)
-        out = _rows_to_tokens(y_SD, dest_TK, src_S, pool.empty("out", (x.shape[0], D), x), lanes) if tokens else y_SD
-        ctx.save_for_backward(x, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF)
-        ctx.counts = counts
-        ctx.pool = pool
+    def forward(ctx, x, weights_TK, w1, w3, w2, dest_TK, counts, num_rows, pool):
+        out, h1, h3, src, w = _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts, num_rows, pool)
+        ctx.save_for_backward(x, w1, w3, w2, src, w, dest_TK, h1, h3)
+        ctx.counts, ctx.pool = counts, pool
         ctx.weights_dtype = None if weights_TK is None else weights_TK.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, w1, w3, w2, src_S, w_S, dest_TK, h1_SF, h3_SF = ctx.saved_tensors
-        counts = ctx.counts
-        swiglu = w3 is not None
-        tokens = dest_TK is not None
-        grad = grad.contiguous()
-        S, F = h1_SF.shape
-        D = x.shape[1]
-        need_x, need_w = ctx.needs_input_grad[0], tokens and ctx.needs_input_grad[1]
-        pool = ctx.pool
-        lanes = _lane_count(counts, x, F)
-        dx_SD = None  # the input gradient's rows (tokens: + the zero row, like the forward's)
-        if need_x:
-            dx_SD = pool.empty("rows", (S + 1, D), x) if tokens else pool.empty("dx_rows", (S, D), x)
-            if tokens:
-                dx_SD[S].zero_()
-        dw_S = x.new_empty(S) if need_w else None  # dL/d combine weight, row order
-        # weight gradients: the view lent becomes p.grad itself (autograd adopts a gradient that
-        # nothing else refers to), so its buffer is lent again once the training loop drops p.grad
-        dw1, dw2 = pool.empty("dw1", w1.shape, w1), pool.empty("dw2", w2.shape, w2)
-        dw3 = pool.empty("dw3", w3.shape, w3) if swiglu else None
-        block = _ROW_BLOCK
-        rows = min(S, block)
-        scratch = [(*((pool.block(f"g{i}", rows, D, x), pool.block(f"x{i}", rows, D, x)) if tokens else (None, None)),
-                    *(pool.block(f"scratch{j}_{i}", rows, F, x) for j in range(4)))
-                   for i in range(lanes)]
-        queue = _BlockQueue(counts, block, lanes)
-
-        def lane(i: int) -> None:
-            g_BD, x_BD, buf_a, buf_b, buf_c, buf_d = scratch[i]
-            while (unit := queue.take()) is not None:
-                e, a, b, turn = unit
-                n = b - a
-                h1 = h1_SF[a:b]
-                dact, silu, act, tmp = buf_a[:n], buf_b[:n], buf_c[:n], buf_d[:n]
-                if tokens:
-                    g = torch.index_select(grad, 0, src_S[a:b], out=g_BD[:n])  # dL/d(w * y) of each row
-                else:
-                    g = grad[a:b]
-                torch.mm(g, w2[e].t(), out=dact)  # dL/d act (tokens: per unit weight)
-                if swiglu:
-                    h3 = h3_SF[a:b]
-                    _silu_out(h1, out=silu)
-                    torch.mul(silu, h3, out=act)
-                else:
-                    _gelu_out(h1, out=act)
-                if need_w:
-                    # row-wise <act, dact>: a product and a row sum run 3x faster than a [1, F] x [F, 1] bmm
-                    torch.sum(torch.mul(act, dact, out=tmp), dim=1, out=dw_S[a:b])
-                if tokens:
-                    w = w_S[a:b].unsqueeze(1)
-                    g.mul_(w)
-                    dact.mul_(w)
-                    xe = torch.index_select(x, 0, src_S[a:b], out=x_BD[:n])
-                else:
-                    xe = x[a:b]
-                if swiglu:
-                    torch.mul(dact, silu, out=tmp)  # dh3
-                    dact.mul_(h3)
-                    _silu_backward_out(dact, h1, grad_input=silu)  # dh1
-                    dh1, dh3 = silu, tmp
-                else:
-                    _gelu_backward_out(dact, h1, grad_input=silu)
-                    dh1 = silu
-                if need_x:
-                    dx = dx_SD[a:b]
-                    torch.mm(dh1, w1[e].t(), out=dx)
-                    if swiglu:
-                        dx.addmm_(dh3, w3[e].t())
-                # this expert's weight gradients, block after block in order (see _BlockQueue)
-                queue.wait_turn(e, turn)
-                _mm_into(dw2[e], act.t(), g, turn > 0)
-                _mm_into(dw1[e], xe.t(), dh1, turn > 0)
-                if swiglu:
-                    _mm_into(dw3[e], xe.t(), dh3, turn > 0)
-                queue.end_turn(e)
-
-        _run_lanes(lane, lanes, queue)
-        dx = None
-        if need_x:
-            dx = _rows_to_tokens(dx_SD, dest_TK, src_S, pool.empty("dx", x.shape, x), lanes) if tokens else dx_SD
-        for dw in (dw1, dw3, dw2):
-            if dw is not None:
-                _zero_empty(dw, counts)
-        grad_w = None
-        if need_w:
-            flat = dest_TK.reshape(-1)
-            valid = flat >= 0
-            grad_w = torch.zeros(flat.numel(), dtype=ctx.weights_dtype, device=x.device)
-            grad_w[valid] = dw_S[flat[valid]].to(ctx.weights_dtype)
-            grad_w = grad_w.view(dest_TK.shape)
-        return dx, grad_w, dw1, dw3, dw2, None, None, None
+        x, w1, w3, w2, src, w, dest_TK, h1, h3 = ctx.saved_tensors
+        dx, grad_w, dw1, dw3, dw2 = _blocks_backward(grad, x, w1, w3, w2, dest_TK, ctx.weights_dtype, ctx.counts, h1, h3, src, w,
+                                                     ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.pool)
+        return dx, grad_w, dw1, dw3, dw2, None, None, None, None
 
 
 # one pool per set of expert weights (keyed by w1, the Parameter object, which outlives ZeRO's
@@ -495,23 +517,109 @@ def _pool_for(w1: torch.Tensor) -> _BufferPool:
     return pool
 
 
-def _check(x, counts, w1, w3, w2):
+def _check(x, counts, w1):
     if x.device.type != "cpu":
         raise ValueError(f"the CPU expert path got a tensor on {x.device}")
     if len(counts) != w1.shape[0]:
         raise ValueError(f"got {len(counts)} segment counts for {w1.shape[0]} experts")
 
 
-def expert_ffn(x_SD, counts: list[int], w1, w3, w2):
-    """Each expert's FFN over its contiguous segment of ``x_SD``'s rows (``counts[e]`` rows each)."""
-    _check(x_SD, counts, w1, w3, w2)
-    if x_SD.shape[0] != sum(counts):
-        raise ValueError(f"x has {x_SD.shape[0]} rows but the counts sum to {sum(counts)}")
-    return _ExpertBlocks.apply(x_SD.contiguous(), None, w1, w3, w2, None, list(counts), _pool_for(w1))
+def _host_counts(counts) -> list[int]:
+    return counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
 
 
-def routed_expert_ffn(x_TD, dest_TK, weights_TK, counts: list[int], w1, w3, w2):
+# --- the op as torch.compile sees it ------------------------------------------------------------
+#
+# The block path reads the counts on the host (to cut blocks) and runs lanes on worker threads:
+# nothing dynamo can trace. Under torch.compile it is therefore one opaque custom op, forward and
+# backward, with fake implementations that give the output shapes from the input shapes alone
+# (the saved rows are sized by the static bound ``num_rows``). Eager calls keep the autograd.Function
+# above (the same two functions run inside); ``torch.compiler.is_compiling()`` picks the op. Absent
+# tensors (h3 for GELU, the token maps in rows mode, gradients not asked for) are empty tensors,
+# since a custom op returns tensors only.
+
+def _or_empty(t, like):
+    return like.new_empty(0) if t is None else t
+
+
+# schemas written out rather than inferred from the annotations (older torch versions cannot read
+# ``X | None`` annotations under ``from __future__ import annotations``)
+@torch.library.custom_op("switchyard::cpu_expert_blocks", mutates_args=(), schema=(
+    "(Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK, SymInt num_rows)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _op_forward(x: torch.Tensor, counts_X: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor,
+                dest_TK: torch.Tensor | None, weights_TK: torch.Tensor | None, num_rows: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, h1, h3, src, w = _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts_X.tolist(), num_rows, _pool_for(w1))
+    # an output may not be a view that another output or an input shares: the rows-mode output is
+    # its own buffer, h1/h3 theirs
+    return out, h1, _or_empty(h3, x), _or_empty(src, counts_X), _or_empty(w, x)
+
+
+@_op_forward.register_fake
+def _(x, counts_X, w1, w3, w2, dest_TK, weights_TK, num_rows):
+    F, D = w1.shape[2], w2.shape[2]
+    tokens = dest_TK is not None
+    return (x.new_empty(x.shape[0], D), x.new_empty(num_rows, F), x.new_empty(num_rows if w3 is not None else 0, F),
+            counts_X.new_empty(num_rows if tokens else 0), x.new_empty(num_rows if tokens else 0))
+
+
+@torch.library.custom_op("switchyard::cpu_expert_blocks_backward", mutates_args=(), schema=(
+    "(Tensor grad, Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK,"
+    " Tensor h1, Tensor h3, Tensor src, Tensor w, bool need_x, bool need_w) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _op_backward(grad: torch.Tensor, x: torch.Tensor, counts_X: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None,
+                 w2: torch.Tensor, dest_TK: torch.Tensor | None, weights_TK: torch.Tensor | None, h1: torch.Tensor,
+                 h3: torch.Tensor, src: torch.Tensor, w: torch.Tensor, need_x: bool, need_w: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    weights_dtype = None if weights_TK is None else weights_TK.dtype
+    dx, grad_w, dw1, dw3, dw2 = _blocks_backward(grad, x, w1, w3, w2, dest_TK, weights_dtype, counts_X.tolist(), h1,
+                                                 h3 if w3 is not None else None, src, w, need_x, need_w, _pool_for(w1))
+    return _or_empty(dx, x), _or_empty(grad_w, x), dw1, _or_empty(dw3, w1), dw2
+
+
+@_op_backward.register_fake
+def _(grad, x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w, need_x, need_w):
+    need_w = need_w and dest_TK is not None
+    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
+            weights_TK.new_empty(dest_TK.shape) if need_w else x.new_empty(0),
+            w1.new_empty(w1.shape), w3.new_empty(w3.shape) if w3 is not None else w1.new_empty(0), w2.new_empty(w2.shape))
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, counts_X, w1, w3, w2, dest_TK, weights_TK, _ = inputs
+    _, h1, h3, src, w = output
+    ctx.save_for_backward(x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w)
+    ctx.mark_non_differentiable(h1, h3, src, w)
+
+
+def _op_autograd(ctx, grad, *_unused):
+    x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], dest_TK is not None and ctx.needs_input_grad[6]
+    dx, grad_w, dw1, dw3, dw2 = _op_backward(grad, x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w, need_x, need_w)
+    return (dx if need_x else None, None, dw1, dw3 if w3 is not None else None, dw2, None,
+            grad_w if need_w else None, None)
+
+
+_op_forward.register_autograd(_op_autograd, setup_context=_op_setup_context)
+
+
+def _run(x, weights_TK, w1, w3, w2, dest_TK, counts, num_rows: int):
+    if torch.compiler.is_compiling():
+        counts_X = counts if isinstance(counts, torch.Tensor) else torch.tensor(list(counts), dtype=torch.long)
+        return _op_forward(x, counts_X, w1, w3, w2, dest_TK, weights_TK, num_rows)[0]
+    counts = _host_counts(counts)
+    _check(x, counts, w1)
+    return _ExpertBlocks.apply(x, weights_TK, w1, w3, w2, dest_TK, counts, num_rows, _pool_for(w1))
+
+
+def expert_ffn(x_SD, counts, w1, w3, w2):
+    """Each expert's FFN over its contiguous segment of ``x_SD``'s rows (``counts[e]`` rows each, a
+    list or a tensor; rows past their sum come out as zeros)."""
+    return _run(x_SD.contiguous(), None, w1, w3, w2, None, counts, x_SD.shape[0])
+
+
+def routed_expert_ffn(x_TD, dest_TK, weights_TK, counts, w1, w3, w2, num_rows: int | None = None):
     """``unpermute_combine(expert_ffn(permute(x_TD)), dest_TK, weights_TK)`` in one pass per row
-    block, without the expert-ordered [S, D] buffers."""
-    _check(x_TD, counts, w1, w3, w2)
-    return _ExpertBlocks.apply(x_TD.contiguous(), weights_TK, w1, w3, w2, dest_TK, list(counts), _pool_for(w1))
+    block, without the expert-ordered [S, D] buffers. ``num_rows`` bounds the kept rows (default
+    every assignment, T * K)."""
+    return _run(x_TD.contiguous(), weights_TK, w1, w3, w2, dest_TK, counts, dest_TK.numel() if num_rows is None else num_rows)

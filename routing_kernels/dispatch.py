@@ -135,29 +135,44 @@ def expert_backend(x: torch.Tensor, w1_XDF: torch.Tensor, w3_XDF: torch.Tensor |
     return choice
 
 
-_EXPERT_IMPLS = {"grouped_mm": grouped_gemm.expert_ffn, "cpu_blocks": cpu_experts.expert_ffn, "loop": reference.expert_ffn}
+def _loop(x_SD, counts_X, w1_XDF, w3_XDF, w2_XFD):
+    # the per-expert reference cuts its rows on the host: under torch.compile this read is a graph
+    # break (the loop is the reference, not a compile target; see docs/design.md)
+    return reference.expert_ffn(x_SD, counts_X.tolist(), w1_XDF, w3_XDF, w2_XFD)
 
 
-def expert_ffn(x, counts: list[int], w1_XDF, w3_XDF, w2_XFD, dest_TK=None, weights_TK=None):
+_EXPERT_IMPLS = {"grouped_mm": grouped_gemm.expert_ffn, "cpu_blocks": cpu_experts.expert_ffn, "loop": _loop}
+
+
+def expert_ffn(x, counts, w1_XDF, w3_XDF, w2_XFD, dest_TK=None, weights_TK=None, num_rows: int | None = None):
     """Every expert's FFN over its rows: SwiGLU ``(silu(x w1[e]) * (x w3[e])) w2[e]``, or GELU
     ``gelu(x w1[e]) w2[e]`` when ``w3_XDF`` is None.
+
+    ``counts``: rows per expert, best a tensor on ``x``'s device as ``routing_metadata`` returns it
+    (a list of ints is taken too). No backend reads it on the host except those that must (the CPU
+    block path inside its opaque op, the reference loop), so the GPU path has no host sync.
 
     Rows mode (``dest_TK`` None): ``x`` is ``[S, D]`` in expert order, ``counts[e]`` rows of expert
     e after those of expert e - 1; returns ``[S, D]`` in the same order. Tokens mode: ``x`` is
     ``[T, D]`` in token order and ``dest_TK``/``counts`` come from ``routing_metadata``; returns
-    ``unpermute_combine(expert_ffn(permute(x)), dest_TK, weights_TK)``, which the CPU backend runs as
-    one pass without the expert-ordered buffers.
+    ``unpermute_combine(expert_ffn(permute(x, dest_TK, num_rows)), dest_TK, weights_TK)``, which the
+    CPU backend runs as one pass without the expert-ordered buffers. ``num_rows`` is a static bound
+    on the kept rows (default T * K, every assignment; the layer passes a tighter one under
+    capacity): the intermediate shapes come from it, never from the routing.
     """
     X = w1_XDF.shape[0]
     if len(counts) != X:
         raise ValueError(f"got {len(counts)} segment counts for {X} experts")
     if (dest_TK is None) != (weights_TK is None):
         raise ValueError("dest_TK and weights_TK go together: both for tokens mode, neither for rows mode")
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(list(counts), dtype=torch.long, device=x.device)
     backend = expert_backend(x, w1_XDF, w3_XDF, w2_XFD)
     if dest_TK is None:
         return _EXPERT_IMPLS[backend](x, counts, w1_XDF, w3_XDF, w2_XFD)
+    S = dest_TK.numel() if num_rows is None else num_rows
     if backend == "cpu_blocks" and _kernels.value != "triton":
-        return cpu_experts.routed_expert_ffn(x, dest_TK, weights_TK, counts, w1_XDF, w3_XDF, w2_XFD)
-    x_SD = permute(x, dest_TK, sum(counts))
+        return cpu_experts.routed_expert_ffn(x, dest_TK, weights_TK, counts, w1_XDF, w3_XDF, w2_XFD, S)
+    x_SD = permute(x, dest_TK, S)
     y_SD = _EXPERT_IMPLS[expert_backend(x_SD, w1_XDF, w3_XDF, w2_XFD)](x_SD, counts, w1_XDF, w3_XDF, w2_XFD)
     return unpermute_combine(y_SD, dest_TK, weights_TK.to(y_SD.dtype))

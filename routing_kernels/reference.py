@@ -23,15 +23,19 @@ def routing_metadata(expert_ids_TK: torch.Tensor, num_experts: int):
     each expert's segment (``E + 1`` entries, the last one the number of kept rows S), and for each
     assignment its row in expert-contiguous order. Rows within an expert keep token order (stable),
     so capacity by position and the All-to-All regrouping see tokens in their global order.
+
+    Everything stays on the device and every shape is known from the input's: the counts are a
+    scatter-add into E + 1 bins (``bincount``'s output size depends on the data, which
+    ``torch.compile`` cannot trace), the rows a stable sort.
     """
     T, K = expert_ids_TK.shape
     flat_A = expert_ids_TK.reshape(-1).long()
     valid_A = flat_A >= 0
     # dropped assignments sort behind every expert
     key_A = torch.where(valid_A, flat_A, torch.full_like(flat_A, num_experts))
-    counts_E = torch.bincount(key_A, minlength=num_experts + 1)[:num_experts]
-    offsets_E1 = torch.zeros(num_experts + 1, dtype=torch.long, device=flat_A.device)
-    torch.cumsum(counts_E, 0, out=offsets_E1[1:])
+    counts_E = torch.zeros(num_experts + 1, dtype=torch.long, device=flat_A.device)
+    counts_E = counts_E.scatter_add_(0, key_A, torch.ones_like(key_A))[:num_experts]
+    offsets_E1 = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)])
     order_A = torch.argsort(key_A, stable=True)
     dest_A = torch.empty_like(flat_A)
     dest_A[order_A] = torch.arange(flat_A.numel(), device=flat_A.device)
@@ -40,14 +44,27 @@ def routing_metadata(expert_ids_TK: torch.Tensor, num_experts: int):
 
 
 def source_tokens(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """For each row in expert order, the token it came from (the inverse of ``dest_TK``)."""
+    """For each row in expert order, the token it came from (the inverse of ``dest_TK``).
+
+    ``num_rows`` may exceed the kept rows (a static bound, e.g. under capacity, so shapes do not
+    depend on the routing): a row no assignment lands on gets T, one past the last token, which the
+    callers clamp when reading and use as a discarded bin when scattering back."""
     T, K = dest_TK.shape
     flat = dest_TK.reshape(-1)
-    valid = flat >= 0
     token_A = torch.arange(T * K, device=flat.device) // K
-    src_S = torch.empty(num_rows, dtype=torch.long, device=flat.device)
-    src_S[flat[valid]] = token_A[valid]
-    return src_S
+    # dropped slots write to a spare last entry, cut off below: no boolean-mask indexing (its
+    # output size depends on the data)
+    index_A = torch.where(flat >= 0, flat, torch.full_like(flat, num_rows))
+    src_S = torch.full((num_rows + 1,), T, dtype=torch.long, device=flat.device)
+    return src_S.scatter_(0, index_A, token_A)[:num_rows]
+
+
+def row_weights(dest_TK: torch.Tensor, weights_TK: torch.Tensor, num_rows: int, dtype) -> torch.Tensor:
+    """Each row's combine weight in expert order (0 on rows no assignment lands on)."""
+    flat = dest_TK.reshape(-1)
+    index_A = torch.where(flat >= 0, flat, torch.full_like(flat, num_rows))
+    w_S = torch.zeros(num_rows + 1, dtype=dtype, device=flat.device)
+    return w_S.scatter_(0, index_A, weights_TK.reshape(-1).to(dtype))[:num_rows]
 
 
 class _Permute(torch.autograd.Function):
@@ -55,21 +72,27 @@ class _Permute(torch.autograd.Function):
     # of each token's K rows back into token order
     @staticmethod
     def forward(ctx, x_TD, dest_TK, num_rows):
+        T = x_TD.shape[0]
         src_S = source_tokens(dest_TK, num_rows)
         ctx.save_for_backward(src_S)
-        ctx.num_tokens = x_TD.shape[0]
-        return x_TD.index_select(0, src_S)
+        ctx.num_tokens = T
+        # a row beyond the kept ones (src T) reads the last token; its gradient goes to a
+        # discarded bin below
+        return x_TD.index_select(0, src_S.clamp(max=max(T - 1, 0)))
 
     @staticmethod
     def backward(ctx, grad_SD):
         (src_S,) = ctx.saved_tensors
-        grad_TD = grad_SD.new_zeros(ctx.num_tokens, grad_SD.shape[1])
+        grad_TD = grad_SD.new_zeros(ctx.num_tokens + 1, grad_SD.shape[1])
         grad_TD.index_add_(0, src_S, grad_SD)
-        return grad_TD, None, None
+        return grad_TD[: ctx.num_tokens], None, None
 
 
 def permute(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Rows of ``x_TD`` in expert order: ``out[dest[t, k]] = x[t]`` for every kept (t, k)."""
+    """Rows of ``x_TD`` in expert order: ``out[dest[t, k]] = x[t]`` for every kept (t, k).
+
+    ``num_rows`` is at least the number of kept assignments; rows past them hold unspecified
+    values and take no gradient back to ``x_TD``."""
     return _Permute.apply(x_TD, dest_TK, num_rows)
 
 
@@ -110,22 +133,19 @@ class _UnpermuteCombine(torch.autograd.Function):
         y_SD, dest_TK, w_TK = ctx.saved_tensors
         T, K = dest_TK.shape
         S = y_SD.shape[0]
-        flat = dest_TK.reshape(-1)
-        valid = flat >= 0
-        kept = flat[valid]
-        # each kept row has exactly one source (t, k), so the scatter is a gather
+        # each kept row has exactly one source (t, k), so the scatter is a gather; a row past the
+        # kept ones (source T) reads a clamped token and gets weight 0, hence a zero gradient
         src_S = source_tokens(dest_TK, S)
-        grad_SD = grad_TD.contiguous().index_select(0, src_S)  # dL/d(w * y), row by row
+        grad_SD = grad_TD.contiguous().index_select(0, src_S.clamp(max=max(T - 1, 0)))  # dL/d(w * y), row by row
         grad_y = grad_w = None
         if ctx.needs_input_grad[2]:
             # dL/dw[t,k] = <y[dest[t,k]], grad[t]>, taken in expert order before grad_SD is scaled
             dot_S = torch.bmm(y_SD.unsqueeze(1), grad_SD.unsqueeze(2)).view(S)
-            grad_w = torch.zeros(T * K, dtype=ctx.weights_dtype, device=y_SD.device)
-            grad_w[valid] = dot_S[kept].to(ctx.weights_dtype)
-            grad_w = grad_w.view(T, K)
+            valid = dest_TK >= 0
+            grad_w = torch.where(valid, dot_S[dest_TK.clamp(min=0)] if S else dest_TK.new_zeros(dest_TK.shape, dtype=dot_S.dtype),
+                                 torch.zeros((), dtype=dot_S.dtype, device=dot_S.device)).to(ctx.weights_dtype)
         if ctx.needs_input_grad[0]:
-            w_S = torch.empty(S, dtype=w_TK.dtype, device=w_TK.device)
-            w_S[kept] = w_TK.reshape(-1)[valid]
+            w_S = row_weights(dest_TK, w_TK, S, w_TK.dtype)
             grad_y = grad_SD.mul_(w_S.unsqueeze(1))  # in place: no second [S, D] buffer
         return grad_y, None, grad_w
 
@@ -148,14 +168,21 @@ def expert_ffn(x_SD: torch.Tensor, counts: list[int], w1_XDF: torch.Tensor, w3_X
     The segments and experts are taken with ``split`` and ``unbind``, whose backward assembles all
     pieces in one pass; indexing ``x[a:b]`` and ``w1[e]`` instead would give every expert a
     full-size zero gradient to add into (measured on an H200 at 64 experts: 5x slower).
+
+    Rows past ``sum(counts)`` (``x_SD`` sized by a bound) belong to no expert: they come out as
+    zeros and take no gradient.
     """
-    xs = x_SD.split(list(counts))
+    counts = list(counts)
+    tail = x_SD.shape[0] - sum(counts)
+    xs = x_SD.split(counts + [tail])
     w3s = w3_XDF.unbind(0) if w3_XDF is not None else [None] * len(counts)
     out = []
     for x, w1, w3, w2 in zip(xs, w1_XDF.unbind(0), w3s, w2_XFD.unbind(0)):
         h = x @ w1
         act = nnf.silu(h) * (x @ w3) if w3 is not None else nnf.gelu(h)
         out.append(act @ w2)
+    if tail:
+        out.append((out[0] if out else x_SD).new_zeros(tail, w2_XFD.shape[2]))
     if not out:
         return x_SD.new_zeros(0, w2_XFD.shape[2])
     return torch.cat(out)

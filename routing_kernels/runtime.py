@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, NamedTuple
 
 import torch
@@ -93,9 +94,45 @@ def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int
 
 # --- autograd ------------------------------------------------------------------------------------
 
+_recomputing = 0  # depth of recomputation() contexts
+
+
+@contextlib.contextmanager
+def recomputation():
+    """Marks a forward re-run during backward (activation checkpointing's recomputation), for code
+    that ``torch.compile`` traces: there ``in_backward()`` cannot ask autograd and reads this mark
+    instead (pass ``context_fn=recompute_context`` to ``torch.utils.checkpoint.checkpoint``)."""
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def recompute_context():
+    """``context_fn`` for non-reentrant ``torch.utils.checkpoint.checkpoint``: nothing around the
+    first forward, ``recomputation()`` around the re-run."""
+    return contextlib.nullcontext(), recomputation()
+
+
 def in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation checkpointing's recomputation)."""
+    """True while autograd runs a backward pass (e.g. activation checkpointing's recomputation).
+
+    Under ``torch.compile`` the autograd query is no traceable op (a graph break), so traced code
+    reads the ``recomputation()`` mark instead; dynamo guards on its value, so a recomputation runs
+    a graph compiled for it. A checkpoint around compiled code without ``recompute_context`` is
+    therefore not seen as a recomputation."""
+    if torch.compiler.is_compiling():
+        return _recomputing > 0
     return torch._C._current_graph_task_id() != -1
+
+
+def first_pass_weight() -> float:
+    """1.0 in a forward, 0.0 in its recomputation (``in_backward()``): the factor for statistics a
+    forward accumulates in place. Multiplying rather than skipping keeps a compiled recomputation's
+    graph the forward's, which ``torch.utils.checkpoint`` requires (the same tensors saved)."""
+    return 0.0 if in_backward() else 1.0
 
 
 # --- the expert-parameter mark -------------------------------------------------------------------

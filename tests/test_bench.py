@@ -33,3 +33,24 @@ def test_bench_hf_steps_every_model_on_the_same_weights():
         # the same weights and batch: the same first loss (fp32 rounding of a different op order)
         for name, loss in r["loss"].items():
             assert abs(loss - r["loss"]["stock"]) <= 1e-5 * r["loss"]["stock"], (arch, name, r["loss"])
+
+
+def test_base_step_spec_matches_the_config_tree():
+    # the GPU box runs the MFU step without hydra, from plain values that must stay model=base's
+    pytest.importorskip("hydra")
+    from experiments.bench_moe_layer import BASE
+    from tests.test_train import cfg_of
+
+    cfg = cfg_of("model=base", "data=tokens")
+    for key, value in BASE.items():
+        if key == "moe":
+            assert {k: cfg.moe[k] for k in value} == value
+        else:
+            assert cfg.model[key] == value, key
+
+
+def test_training_step_mfu_runs_on_a_tiny_model():
+    from experiments.bench_moe_layer import TINY, train_step_mfu
+
+    r = train_step_mfu(TINY, 2, 16, torch.device("cpu"), torch.float32, compile_blocks=False, reps=1, matmul_n=64)
+    assert r["step_s"] > 0 and r["model_flops"] > 6 * r["params"]["active"] * 32 and 0 < r["mfu"]

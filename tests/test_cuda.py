@@ -329,3 +329,115 @@ def test_zero_engine_on_gpu_matches_the_same_optimizer(stage, offload, mp, opt):
         full = engine.full_parameters()
         for n, p in ref.named_parameters():
             torch.testing.assert_close(full[n].cpu(), p.detach().cpu(), rtol=1e-4, atol=1e-5, msg=n)
+
+
+# --- sync-free and compiled paths (docs/design.md, "torch.compile and host syncs") ---------------
+
+_SYNC_FREE = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the sync-free expert path is torch._grouped_mm in bf16, the default (and measured) on sm_90")
+
+
+def _bf16_layer(**kw):
+    torch.manual_seed(0)
+    return MoELayer(MoEConfig(d_model=256, d_ff=512, num_experts=8, top_k=2, **kw)).cuda().bfloat16()
+
+
+@_SYNC_FREE
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_moe_layer_forward_backward_without_host_sync(capacity_factor):
+    # counts and offsets stay on the device (routing_metadata's Triton kernels, _grouped_mm's device
+    # offsets), row counts come from shapes (Routing.max_kept), so no CUDA call waits for the host
+    layer = _bf16_layer(capacity_factor=capacity_factor)
+    x = torch.randn(4, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    assert rk.expert_backend(x.view(-1, 256), layer.experts.w1, layer.experts.w3, layer.experts.w2) == "grouped_mm"
+    layer(x).backward(grad)  # warm-up: Triton compiles, cuBLAS and the allocator initialise
+    torch.cuda.synchronize()
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(x)
+        out.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def _graph_model():
+    from moe.model import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=128, d_model=128, n_layers=2, n_heads=4, d_ff=256, max_seq_len=64,
+                            moe=MoEConfig(d_model=128, d_ff=256, num_experts=8, top_k=2, capacity_factor=1.25))
+    return Transformer(cfg).cuda().bfloat16()
+
+
+def _graph_step(model, opt, batch):
+    logits = model(batch[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 128), batch[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@_SYNC_FREE
+def test_training_step_captured_in_a_cuda_graph():
+    # capacity bounds the rows (Routing.max_kept), so every shape of a step is fixed by the batch
+    # shape: forward, backward and a capturable AdamW step replay as one CUDA graph. The replayed
+    # losses follow the same steps run eagerly on a twin (same kernels; bf16, so within bf16 rounding)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (8, 65), generator=gen).cuda() for _ in range(6)]
+    models = [_graph_model(), _graph_model()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True) for m in models]
+    eager_model, graph_model = models
+    eager_opt, graph_opt = opts
+
+    warm = 3  # torch's recipe: warm up on a side stream before capturing (the twin runs the same steps)
+    static = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for b in batches[:warm]:
+            static.copy_(b)
+            graph_opt.zero_grad(set_to_none=True)
+            _graph_step(graph_model, graph_opt, static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    graph_opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = _graph_step(graph_model, graph_opt, static)
+    replayed = []
+    for b in batches[warm:]:
+        static.copy_(b)
+        graph.replay()
+        replayed.append(static_loss.item())
+
+    eager = []
+    for i, b in enumerate(batches):
+        eager_opt.zero_grad(set_to_none=True)
+        loss = _graph_step(eager_model, eager_opt, b).item()
+        if i >= warm:
+            eager.append(loss)
+    torch.testing.assert_close(torch.tensor(replayed), torch.tensor(eager), rtol=1e-2, atol=1e-2)
+    assert all(layer.stats.dropped_fraction.item() >= 0 for layer in graph_model.moe_layers())
+
+
+@_SYNC_FREE
+def test_compiled_moe_layer_on_gpu_matches_eager():
+    # Inductor on the GPU path (Triton routing kernels, _grouped_mm with device offsets): no graph
+    # break in the layer, and the same numbers to bf16 rounding (fused kernels sum in another order)
+    layer = _bf16_layer()
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    explained = torch._dynamo.explain(copy.deepcopy(layer))(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    twin.forward = torch.compile(twin.forward)
+    out_e, gx_e, grads_e = _run(layer, x, grad)
+    out_c, gx_c, grads_c = _run(twin, x, grad)
+    torch.testing.assert_close(out_c.float(), out_e.float(), **BF16)
+    torch.testing.assert_close(gx_c.float(), gx_e.float(), **BF16)
+    for n in grads_e:
+        s = grads_e[n].float().abs().max()
+        torch.testing.assert_close(grads_c[n].float() / s, grads_e[n].float() / s, **BF16, msg=n)

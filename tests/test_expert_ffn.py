@@ -134,7 +134,12 @@ def test_dispatch_picks_and_refuses():
         rk.expert_ffn(x, [3, 3], w1, w3, w2, dest_TK=torch.zeros(6, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="'gpu' is not one of"):
         rk.set_expert_backend("gpu")
-    with pytest.raises(ValueError, match="x has 6 rows but the counts sum to 5"):
+    with pytest.raises(ValueError, match="the counts add up to 7 rows, more than the bound num_rows=6"):
         with rk.use_expert_backend("cpu_blocks"):
-            rk.expert_ffn(x, [2, 3], w1, w3, w2)
+            rk.expert_ffn(x, [3, 4], w1, w3, w2)
+    # rows past the counts' sum (x sized by a bound) belong to no expert: zeros, on every backend
+    for backend in ("cpu_blocks", "loop"):
+        with rk.use_expert_backend(backend):
+            y = rk.expert_ffn(x, [2, 3], w1, w3, w2)
+            assert torch.equal(y[5], torch.zeros(4)) and not torch.equal(y[4], torch.zeros(4))
     assert set(dispatch._EXPERT_IMPLS) == set(dispatch._experts.valid) - {"auto"}
