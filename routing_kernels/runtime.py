@@ -97,17 +97,22 @@ def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int
 _recomputing = 0  # depth of recomputation() contexts
 
 
-@contextlib.contextmanager
-def recomputation():
+class recomputation:
     """Marks a forward re-run during backward (activation checkpointing's recomputation), for code
     that ``torch.compile`` traces: there ``in_backward()`` cannot ask autograd and reads this mark
-    instead (pass ``context_fn=recompute_context`` to ``torch.utils.checkpoint.checkpoint``)."""
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
+    instead (pass ``context_fn=recompute_context`` to ``torch.utils.checkpoint.checkpoint``).
+    Re-entrant: torch's checkpoint enters the same object for every recomputation of one forward,
+    and a split backward (a zero-bubble pipeline's input and weight passes) recomputes twice."""
+
+    def __enter__(self):
+        global _recomputing
+        _recomputing += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _recomputing
         _recomputing -= 1
+        return False
 
 
 def recompute_context():
