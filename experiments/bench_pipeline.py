@@ -13,8 +13,10 @@ time on the busiest stage (all stages do the same compute; the worst rank is rep
 median of ``--steps`` steps after one warm-up step. Theory: the closed forms (p-1)/(m+p-1) for
 GPipe and 1F1B and (p-1)/(v*m+p-1) for interleaved 1F1B, and for every schedule the ideal bubble of
 torch's own plan for it (``simulate``: each rank runs its actions in order as soon as their inputs
-exist, F, I and W one unit each, a full backward two, communication free), which is the zero-bubble
-schedules' own formula evaluated for this p, v and m, and equals the closed forms where they exist.
+exist, F, I and W one unit each, a full backward two, communication free; DualPipeV's overlapped
+forward-backward pairs start once both halves' inputs are there, as torch's runtime runs them),
+which is the zero-bubble schedules' own formula evaluated for this p, v and m, and equals the closed
+forms where they exist.
 
 Peak activations: the bytes saved for backward that are alive at once on a stage (a saved-tensors
 hook counts each saved tensor until autograd frees it), in micro-batches' worth: GPipe keeps all m,
@@ -126,29 +128,43 @@ class _Holder:
         self.t = t
 
 
-def _compute_actions(pipe: Pipeline) -> dict[int, list]:
-    """torch's plan for the schedule: each rank's compute actions in order (idle slots dropped,
-    an overlapped forward-backward pair as its two parts)."""
+def _compute_actions(pipe: Pipeline) -> dict[int, list[list]]:
+    """torch's plan for the schedule: each rank's compute actions in order, idle slots dropped, as
+    groups that start together: one action, or an overlapped forward-backward pair (DualPipeV),
+    which torch's runtime starts only once the inputs of both halves have arrived."""
     sched = pipe.schedule
     order = sched._get_pipeline_order() if hasattr(sched, "_get_pipeline_order") and not hasattr(sched, "pipeline_order") \
         else sched.pipeline_order
     out = {}
     for rank, actions in order.items():
-        flat = []
+        groups = []
         for a in actions:
             if a is None:
                 continue
-            flat.extend(a.sub_actions if a.sub_actions else [a])
-        out[rank] = [a for a in flat if a.computation_type.value in "FIWB"]
+            group = [x for x in (a.sub_actions or [a]) if x.computation_type.value in "FIWB"]
+            if group:
+                groups.append(group)
+        out[rank] = groups
     return out
 
 
-def simulate(actions: dict[int, list], num_stages: int) -> float:
-    """The schedule's ideal bubble: every rank runs its actions in order, each as soon as the rank is
-    free and its inputs exist (a forward needs the previous stage's forward of that micro-batch, an
-    input gradient the next stage's, a weight gradient its own input gradient), with F, I and W one
-    unit each, a full backward two, and communication free. Returns the worst rank's idle fraction."""
+def _deps(kind: str, s: int, mb: int, num_stages: int) -> list[tuple]:
+    # a forward needs the previous stage's forward of that micro-batch, an input gradient the
+    # next stage's ("G"), a weight gradient its own input gradient
+    if kind == "F":
+        return [] if s == 0 else [("F", s - 1, mb)]
+    if kind in "IB":
+        return [("F", s, mb)] + ([] if s == num_stages - 1 else [("G", s + 1, mb)])
+    return [("G", s, mb)]
+
+
+def simulate(actions: dict[int, list[list]], num_stages: int) -> float:
+    """The schedule's ideal bubble: every rank runs its action groups in order, each as soon as the
+    rank is free and the inputs of the whole group exist, the group's actions one after the other,
+    with F, I and W one unit each, a full backward two, and communication free. Returns the worst
+    rank's idle fraction."""
     dur = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+    key = lambda a: ("G" if a.computation_type.value in "IB" else a.computation_type.value, a.stage_index, a.microbatch_index)  # noqa: E731
     finish: dict[tuple, float] = {}
     free = {r: 0.0 for r in actions}
     busy = {r: 0.0 for r in actions}
@@ -156,22 +172,20 @@ def simulate(actions: dict[int, list], num_stages: int) -> float:
     remaining = sum(len(v) for v in actions.values())
     while remaining:
         progressed = False
-        for r, acts in actions.items():
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                kind, s, mb = a.computation_type.value, a.stage_index, a.microbatch_index
-                if kind == "F":
-                    deps = [] if s == 0 else [("F", s - 1, mb)]
-                elif kind in "IB":
-                    deps = [("F", s, mb)] + ([] if s == num_stages - 1 else [("G", s + 1, mb)])
-                else:
-                    deps = [("G", s, mb)]
+        for r, groups in actions.items():
+            while pos[r] < len(groups):
+                group = groups[pos[r]]
+                inside = {key(a) for a in group}
+                deps = [d for a in group for d in _deps(a.computation_type.value, a.stage_index, a.microbatch_index, num_stages)
+                        if d not in inside]
                 if any(d not in finish for d in deps):
                     break
-                start = max([free[r]] + [finish[d] for d in deps])
-                end = start + dur[kind]
-                finish[("G" if kind in "IB" else kind, s, mb)] = end
-                free[r], busy[r] = end, busy[r] + dur[kind]
+                t = max([free[r]] + [finish[d] for d in deps])
+                for a in group:
+                    t += dur[a.computation_type.value]
+                    finish[key(a)] = t
+                    busy[r] += dur[a.computation_type.value]
+                free[r] = t
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
