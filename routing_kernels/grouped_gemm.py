@@ -7,8 +7,9 @@ hidden dim, X experts held here. Autograd differentiates ``_grouped_mm`` itself.
 The segment ends are computed on the device from the counts (a cumulative sum), so nothing here
 reads the routing on the host: the op runs under ``torch.cuda.set_sync_debug_mode("error")`` and
 traces into a ``torch.compile`` graph. Rows past the last end (a row bound larger than the kept
-rows) are ignored by ``_grouped_mm``: their outputs and input gradients are unspecified, and the
-callers never read them.
+rows) are ignored by ``_grouped_mm``, which leaves whatever the allocator held there (NaN or inf
+included, and 0 x NaN is NaN in a later combine); they are set to zeros, as the loop backend
+returns them, by a device-side ``where`` (no host read), which also gives them zero gradient.
 """
 from __future__ import annotations
 
@@ -53,4 +54,6 @@ def expert_ffn(x_SD, counts_X: torch.Tensor, w1_XDF, w3_XDF, w2_XFD):
         act_SF = nnf.silu(h1_SF) * torch._grouped_mm(x_SD, w3_XDF, offs=ends_X)
     else:
         act_SF = nnf.gelu(h1_SF)
-    return torch._grouped_mm(act_SF, w2_XFD, offs=ends_X)
+    out_SD = torch._grouped_mm(act_SF, w2_XFD, offs=ends_X)
+    kept_S1 = (torch.arange(out_SD.shape[0], device=out_SD.device) < ends_X[-1:]).unsqueeze(1)
+    return torch.where(kept_S1, out_SD, out_SD.new_zeros(()))
