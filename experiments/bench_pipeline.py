@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-from torch.distributed import pipelining as tpp
 
 from experiments.launch import free_port, init_rank
 from zero import Layout, ZeroEngine
