@@ -6,14 +6,16 @@ write throughput against a plain file write, and the training stall of an async 
 Every rank builds the same MoE transformer (``moe.model.Transformer``) under the layout, takes one
 AdamW step (so the optimizer state exists) and then, all ranks together:
 
-- save (sync): ``zero.checkpoint.save`` plus the manifest, ``--reps`` times; per rank the time until
+- save (sync): ``zero.checkpoint.save`` (manifest included) into a new directory, ``--reps`` times; per rank the time until
   its save returned (the slowest rank's is the checkpoint's time), median over the reps;
 - bytes: the data files written against ``zero.predict_memory``'s model-state bytes of the state a
   checkpoint holds (fp32 weights + Adam moments, each rank's ZeRO-3 share, summed over the ranks);
 - throughput: after each save, each rank writes as many bytes to one file (one ``write`` of a
   ready buffer, fsync), all ranks at once; the ratio is that plain write's time over the save's
-  (medians); the SHA-256 of the rank's files (part of the save) is timed apart too;
-- load: ``zero.checkpoint.load`` of the same checkpoint (verification of the checksums apart);
+  (medians);
+- verify: every rank re-reads its share of the checkpoint against the manifest's checksums
+  (``zero.checkpoint.verify_together``, what a resume does before loading);
+- load: ``zero.checkpoint.load`` of the same checkpoint (verification apart);
 - async: ``Checkpointer(async_save=True).save`` blocks the loop only while the state is copied;
   its stall against the sync save's time.
 
@@ -90,24 +92,23 @@ def _run(rank, world, port, args, q):
     layout = zero.Layout.build(ep=args.ep, num_experts=args.experts) if world > 1 else zero.Layout.single()
     engine = _build(args, layout, device)
     root = Path(args.dir)
-    path = root / "ckpt"
-
-    def save():
-        zc.save(engine, path, step=1)
-        if rank == 0:
-            zc.finish(path)
-
-    _timed(save)  # warm-up: DCP's first plan
+    path = root / "ckpt_0"
+    _timed(lambda: zc.save(engine, path, step=1))  # warm-up: DCP's first plan
     written = _rank_bytes(path, rank)
     saves, plain = [], []
-    for _ in range(args.reps):  # alternated, so the disk's and the machine's moods fall on both alike
-        saves.append(_timed(save))
+    for i in range(1, args.reps + 1):  # alternated, so the disk's and the machine's moods fall on both alike
+        # each save into a new directory, as in training; the previous one is deleted untimed
+        saves.append(_timed(lambda: zc.save(engine, root / f"ckpt_{i}", step=1)))
         plain.append(_plain_write(root / f"plain_{rank}", written))
-    digest = statistics.median(_timed(lambda: [zc.file_digest(p) for p in path.glob(f"__{rank}_*.distcp")])
-                               for _ in range(args.reps))
+        _barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+        path = root / f"ckpt_{i}"
+    group = zc.new_group()
+    digest = statistics.median(_timed(lambda: zc.verify_together(path, group)) for _ in range(args.reps))
     loads = [_timed(lambda: zc.load(engine, path, check=False)) for _ in range(args.reps)]
     stalls, totals = [], []
-    ck = zc.Checkpointer(engine, root / "async", keep_last=2, async_save=True, group=zc.new_group())
+    ck = zc.Checkpointer(engine, root / "async", keep_last=2, async_save=True, group=group)
     for i in range(args.reps):
         stalls.append(_timed(lambda: ck.save(10 + i)))
         totals.append(stalls[-1] + _timed(ck.wait))
@@ -153,7 +154,7 @@ def main(argv=None):
     save = max(x["save"] for x in r)
     print(f"{r[0]['params'] / 1e6:.1f}M parameters, world {args.world} (ep {args.ep}, ZeRO-{args.stage}"
           f"{', offload' if args.offload else ''}), {'nccl' if torch.cuda.is_available() else 'gloo'}, median of {args.reps}")
-    print("| rank | save (s) | of which SHA-256 (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain | async stall (s) | stall / sync save |")
+    print("| rank | save (s) | verify (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain | async stall (s) | stall / sync save |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, x in enumerate(r):
         print(f"| {i} | {x['save']:.2f} | {x['digest']:.2f} | {x['load']:.2f} | {x['written'] / 1e6:.1f} | {x['plain']:.2f} | "

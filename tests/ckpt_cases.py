@@ -86,8 +86,6 @@ def train_steps(engine: ZeroEngine, layout: Layout, start: int, stop: int, save=
         if save is not None and s + 1 == save[1]:
             path, _, group = save
             zc.save(engine, path, step=s + 1, group=group)
-            if layout.rank == 0:
-                zc.finish(path)
     return losses
 
 

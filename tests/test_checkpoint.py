@@ -158,7 +158,7 @@ def test_damaged_checkpoint_is_named_and_the_older_one_used(tmp_path, damage):
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0x01
         data.write_bytes(bytes(raw))
-        expect = f"file {data.name} does not match its SHA-256"
+        expect = f"file {data.name} does not match its xxh3_128 checksum"
     elif damage == "truncate":
         data.write_bytes(data.read_bytes()[:-10])
         expect = f"file {data.name} has"
@@ -226,9 +226,8 @@ class _Evil:
 
 def _rewrite_manifest(path):
     """What an attacker can do as well: the manifest guards against accidents, not against intent."""
-    for p in [path / zc.MANIFEST, *path.glob("__sums_*.json")]:
-        p.unlink()
-    zc.finish(path)  # without the ranks' sums, rank 0 digests every file itself
+    (path / zc.MANIFEST).unlink()
+    zc.finish(path)  # digests every file as it now is
 
 
 def test_a_malicious_pickle_in_a_checkpoint_does_not_run(tmp_path):
@@ -243,8 +242,23 @@ def test_a_malicious_pickle_in_a_checkpoint_does_not_run(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="posix.mkdir"):
         zc.load(fresh, path)
     assert not marker.exists()
-    # 2. a tensor's payload in a data file (read by DCP with torch.load(weights_only=True))
+    # 2. a pickle where a tensor's bytes belong: format 2 reads raw bytes and never unpickles them
     (path / ".metadata").write_bytes(good)
+    _plant_pickled_payload(path, marker)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"param/.* has \d+ bytes in __0_0.distcp, its metadata says"):
+        zc.load(fresh, path)
+    assert not marker.exists()
+    # 3. the same in a format-1 checkpoint (torch.save items, read by torch.load(weights_only=True))
+    old = _save_format_1(engine, tmp_path / "old")
+    _plant_pickled_payload(old, marker)
+    with pytest.raises(CheckpointException, match="unsupported GLOBAL posix.mkdir"):
+        zc.load(fresh, old)
+    assert not marker.exists()
+
+
+def _plant_pickled_payload(path, marker):
     md = zc.SafeReader(path).read_metadata()
     index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn.startswith(zc.PARAM))
     data = path / info.relative_path
@@ -255,11 +269,36 @@ def test_a_malicious_pickle_in_a_checkpoint_does_not_run(tmp_path):
     md.storage_data[index] = dataclasses.replace(info, offset=len(raw), length=len(buf.getvalue()))
     (path / ".metadata").write_bytes(pickle.dumps(md))
     _rewrite_manifest(path)
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    with pytest.raises(CheckpointException, match="unsupported GLOBAL posix.mkdir"):
-        zc.load(fresh, path)
-    assert not marker.exists()
+
+def _save_format_1(engine, path):
+    """A checkpoint as the previous version wrote it: DCP's own writer (``torch.save`` per item),
+    format 1 in meta.json, SHA-256 in the manifest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    tensors, chunks, _ = zc._entries(engine, 0, True)
+    path.mkdir()
+    (path / zc.META).write_text(json.dumps({**zc._meta(engine, engine.step_count, {}), "format": 1}))
+    dcp.save(tensors, storage_writer=FileSystemWriter(path), planner=zc._ChunkSavePlanner(chunks), no_dist=True)
+    files = {p.name: zc.file_digest(p, "sha256") for p in sorted(path.iterdir())}
+    (path / zc.MANIFEST).write_text(json.dumps({"format": 1, "files": files}))
+    return path
+
+
+def test_a_format_1_checkpoint_still_loads_and_verifies(tmp_path):
+    engine = _trained_engine(2)
+    path = _save_format_1(engine, tmp_path / "old")
+    assert zc.verify(path) is None
+    fresh = cc.build(Layout.single(), 0, False)
+    zc.load(fresh, path)
+    for (n, w), (_, v) in zip(engine.full_parameters().items(), fresh.full_parameters().items()):
+        assert torch.equal(w, v), n
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    assert "does not match its sha256 checksum" in zc.verify(path)
 
 
 # ----- the trainer: resume, preemption, another layout, consolidation --------------------------
