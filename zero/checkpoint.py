@@ -31,17 +31,25 @@ save planning keeps one copy, written by the least-loaded replica. Plain tensors
 shapes) are deduplicated the same way. Everything is keyed by parameter names, not by ranks, so a
 pipeline stage that keeps the full model's names reshards across pp as well.
 
-Beside DCP's files (``__<rank>_<n>.distcp`` and ``.metadata``) a checkpoint directory holds
-``meta.json`` (step, writer layout, optimizer, the caller's ``extra``), any ``files`` the caller
-adds (e.g. the resolved config), one ``__sums_<rank>.json`` per rank (size and SHA-256 of the files
-that rank wrote, computed right after writing) and, written last, ``MANIFEST.json``: every file with
-its size and SHA-256 (temp file, fsync, rename, fsync of the directory). A directory without a
-manifest is incomplete; ``verify`` re-reads every file against it.
+DCP plans the save and the load (who writes which chunk, which saved chunks overlap a requested
+one) and writes its ``.metadata`` as always; the bytes differ from DCP's default writer: each rank
+writes one file ``__<rank>_0.distcp`` holding its items' raw bytes back to back (``_Writer``; DCP's
+own writer runs every item through ``torch.save``, at about 0.2x of a plain write here), and reads
+them back with ``SafeReader`` (a 1-D chunk's requested part straight into its destination).
 
-Loading never executes code from the checkpoint: DCP reads tensors with ``torch.load(weights_only=
-True)``; its ``.metadata`` (a plain pickle, which torch's ``weights_only`` unpickler cannot parse:
-it lacks protocol 4's opcodes) goes through ``SafeUnpickler``, which resolves only DCP's metadata
-classes, ``torch.Size``, dtypes, layouts and paths; byte items are refused.
+Beside DCP's files a checkpoint directory holds ``meta.json`` (step, writer layout, optimizer, the
+caller's ``extra``), any ``files`` the caller adds (e.g. the resolved config) and, written last by
+rank 0 once every rank has written and fsynced, ``MANIFEST.json``: every file with its size and
+XXH3-128 checksum (computed by each rank as it writes, gathered to rank 0; temp file, fsync,
+rename, fsync of the directory). A directory without a manifest is incomplete; ``verify`` re-reads
+every file against it (``verify_together``: every rank a share). Format 1 (``torch.save`` items,
+SHA-256) is still read.
+
+Loading never executes code from the checkpoint: items are raw bytes (format 1: DCP's
+``torch.load(weights_only=True)``); the ``.metadata`` (a plain pickle, which torch's
+``weights_only`` unpickler cannot parse: it lacks protocol 4's opcodes) goes through
+``SafeUnpickler``, which resolves only DCP's metadata classes, ``torch.Size``, dtypes, layouts and
+paths; byte items are refused.
 """
 from __future__ import annotations
 
