@@ -54,19 +54,26 @@ class LMData:
         key = hashlib.sha256(f"{self.seed}/{split}/{step}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
 
-    def get_batch(self, split: str, step: int, global_batch: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1):
-        """``(x_BL, y_BL)`` int64: rows ``[dp_rank*B, (dp_rank+1)*B)`` of the global batch, B = global/dp;
-        ``y`` is ``x`` shifted by one token."""
-        if global_batch % dp_size:
-            raise ValueError(f"global batch size {global_batch} is not divisible by the data-parallel size {dp_size}")
+    def get_batch(self, split: str, step: int, global_batch: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1,
+                  microbatches: int = 1):
+        """``(x_BL, y_BL)`` int64: this dp rank's B = global/dp rows of the global batch; ``y`` is
+        ``x`` shifted by one token. The global batch is ``microbatches`` consecutive global
+        micro-batches; the rank's rows are its consecutive share of each, in order, so that when it
+        cuts its rows into ``microbatches`` equal micro-batches, its j-th is its share of the j-th
+        global one, whatever dp (with one micro-batch: rows ``[dp_rank*B, (dp_rank+1)*B)``). Batch
+        statistics of a micro-batch (the balancing loss, capacity) then see the same tokens on dp
+        ranks together as in one process."""
+        if microbatches < 1 or global_batch % (dp_size * microbatches):
+            raise ValueError(f"global batch size {global_batch} is not divisible by the data-parallel size {dp_size} "
+                             f"x {microbatches} micro-batches")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         tokens = self.train if split == "train" else self.val
         if len(tokens) < seq_len + 1:
             raise ValueError(f"data {self.name!r}: the {split} split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}")
         starts_G = torch.randint(0, len(tokens) - seq_len, (global_batch,), generator=self._generator(split, step))
-        local = global_batch // dp_size
-        starts_B = starts_G[dp_rank * local : (dp_rank + 1) * local].tolist()
+        share = global_batch // dp_size // microbatches  # rows of each global micro-batch on each rank
+        starts_B = starts_G.view(microbatches, dp_size, share)[:, dp_rank].flatten().tolist()
         rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts_B])
         xy_BL1 = torch.from_numpy(rows)
         return xy_BL1[:, :-1], xy_BL1[:, 1:]

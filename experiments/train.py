@@ -196,9 +196,10 @@ def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Lay
     for mod in modules:
         mod.eval()
     micro = tcfg.batch_size // layout.dp // tcfg.grad_accum
+    forwards = tcfg.grad_accum * (pipe.plan.microbatches if pipe is not None else 1)
     sum_count = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(tcfg.eval_batches):
-        x_BL, y_BL = data.get_batch("val", i, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
+        x_BL, y_BL = data.get_batch("val", i, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp, forwards)
         for a in range(0, x_BL.shape[0], micro):  # micro-batch sized chunks bound the memory
             x, y = x_BL[a : a + micro].to(device), y_BL[a : a + micro].to(device)
             with _autocast(cfg, device):
@@ -369,7 +370,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         for step in range(start, tcfg.steps):
             lr = lr_at(step, cfg.optim, tcfg.steps)
             engine.lr = lr
-            x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp)
+            # each of the step's micro-batches is spread over the dp ranks as in one process
+            x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp, forwards)
             stats.reset()  # this step's MoE statistics, of the layers this rank runs
             loss_step = torch.zeros((), device=device)
             for m in range(accum):

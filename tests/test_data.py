@@ -72,6 +72,14 @@ def test_dp_shards_rebuild_the_global_batch(dp):
     assert not torch.equal(data.get_batch("train", 5, 12, 9)[0], data.get_batch("train", 6, 12, 9)[0])
     other = LMData(data.train, data.val, 256, "synthetic", seed=4)
     assert not torch.equal(other.get_batch("train", 5, 12, 9)[0], data.get_batch("train", 5, 12, 9)[0])
+    # with micro-batches: rank r's j-th micro-batch is its share of one process's j-th micro-batch
+    x = data.get_batch("train", 3, 24, 9)[0]
+    assert torch.equal(data.get_batch("train", 3, 24, 9, microbatches=3)[0], x)  # dp=1: the same rows
+    parts = [data.get_batch("train", 3, 24, 9, r, dp, microbatches=3)[0].view(3, 24 // dp // 3, 9) for r in range(dp)]
+    for j in range(3):
+        assert torch.equal(torch.cat([p[j] for p in parts]), x[j * 8 : (j + 1) * 8]), (dp, j)
+    with pytest.raises(ValueError, match="not divisible by the data-parallel size 4 x 5 micro-batches"):
+        data.get_batch("train", 0, 24, 9, 0, 4, microbatches=5)
     with pytest.raises(ValueError, match="not divisible by the data-parallel size 5"):
         data.get_batch("train", 0, 12, 9, 0, 5)
 

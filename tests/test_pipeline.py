@@ -165,17 +165,14 @@ RUNS_2 = [
       "parallel.zero_stage=2", "parallel.zero_offload=true"], 4),
     (["parallel.pp_schedule=gpipe", "parallel.pp_layers=[1,3]", "parallel.pp_microbatches=4", "parallel.zero_stage=1"], 4),  # uneven
 ]
-# With dp=2 a global micro-batch is every dp rank's j-th slice of its rows, while one process's j-th
-# micro-batch is the j-th slice of the global batch: other rows. The balancing loss is a batch
-# statistic (the product of two means over the micro-batch), so it is off here, as in
-# test_train's gradient-accumulation test; the z-loss (a mean of per-token terms) stays on, and
-# the dp=1 runs above carry the balancing loss through every schedule.
-NO_LB = "moe.aux_loss_coef=0"
+# With dp=2 every rank's j-th micro-batch is its half of one process's j-th micro-batch
+# (LMData.get_batch's row order), so the balancing loss, a batch statistic reduced over dp, and the
+# logged aux loss match one process too.
 RUNS_4 = [
-    (["parallel=pp2", "parallel.ep=2", "parallel.pp_microbatches=2", NO_LB], 2),  # pp=2 x ep=2
-    (["parallel=pp2_ep2_zero3", NO_LB], 4),  # pp=2 x dp=2 x ZeRO-3, ep=2
+    (["parallel=pp2", "parallel.ep=2", "parallel.pp_microbatches=2"], 2),  # pp=2 x ep=2
+    (["parallel=pp2_ep2_zero3"], 4),  # pp=2 x dp=2 x ZeRO-3, ep=2
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
-      "parallel.pp_microbatches=2", "parallel.zero_stage=1", NO_LB], 2),  # interleaved with dp=2
+      "parallel.pp_microbatches=2", "parallel.zero_stage=1"], 2),  # interleaved with dp=2
 ]
 
 
@@ -216,8 +213,7 @@ def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
         assert len(rows) == STEPS
         np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
                                    err_msg=f"{what}: gradient norms")
-        if NO_LB not in overrides:  # the logged statistic is a batch statistic too
-            np.testing.assert_allclose([r["aux_loss"] for r in rows], [r["aux_loss"] for r in ref_rows], rtol=LOSS_RTOL, err_msg=what)
+        np.testing.assert_allclose([r["aux_loss"] for r in rows], [r["aux_loss"] for r in ref_rows], rtol=LOSS_RTOL, err_msg=what)
         # per-layer expert load of every layer, whichever stage holds it: identical counts
         assert [r["expert_load"] for r in rows] == [r["expert_load"] for r in ref_rows], f"{what}: expert load"
         assert got[0]["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=LOSS_RTOL), what
