@@ -215,3 +215,43 @@ def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
     out["pp_from_single"] = train(train_cfg(*PP, f"train.resume={single_ga2_ckpt}"), run_dir=f"{root}/pp_from_single",
                                   keep_weights=True)
     return out
+
+
+def shared_verification_rank(rank, world, root):
+    """2 ranks (dp2, ZeRO-1) save two checkpoints; rank 0 then flips a byte of the file that falls in
+    rank 1's share of the newer one. ``Checkpointer.latest`` must skip it on both ranks and agree on
+    the older one. Returns what each rank found, warned and re-read (``(dir, file)`` per digest)."""
+    import json
+    import warnings
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    layout = Layout.build(ep=1, num_experts=E)
+    engine = build(layout, 1, False)
+    ck = zc.Checkpointer(engine, root, keep_last=3)
+    for step in (1, 2):
+        train_steps(engine, layout, step - 1, step)
+        ck.save(step)
+    newest = zc.step_dir(root, 2)
+    files = json.loads((newest / zc.MANIFEST).read_text())["files"]
+    victim = sorted(files, key=lambda n: (-files[n]["size"], n))[1]  # dealt second: rank 1's
+    if rank == 0:
+        raw = bytearray((newest / victim).read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        (newest / victim).write_bytes(bytes(raw))
+    dist.barrier()
+    read, digest = [], zc.file_digest
+
+    def spy(path, algorithm="xxh3_128"):
+        read.append((Path(path).parent.name, Path(path).name))
+        return digest(path, algorithm)
+
+    zc.file_digest = spy
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = ck.latest()
+    finally:
+        zc.file_digest = digest
+    return {"found": found.name, "victim": victim, "read": read, "warned": [str(w.message) for w in caught],
+            "files": {p.name: sorted(json.loads((p / zc.MANIFEST).read_text())["files"]) for _, p in zc.list_checkpoints(root)}}

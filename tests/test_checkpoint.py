@@ -180,6 +180,19 @@ def test_damaged_checkpoint_is_named_and_the_older_one_used(tmp_path, damage):
     assert zc.load(fresh, old)["step"] == 2
 
 
+def test_ranks_verify_a_share_each_and_agree_on_the_older_checkpoint(tmp_path):
+    """Resume verification is split over the ranks (each re-reads about 1/n of the bytes), and a
+    corrupt file only one rank reads makes every rank skip that checkpoint."""
+    got = run_distributed(cc.shared_verification_rank, 2, str(tmp_path), timeout=120)
+    victim = got[0]["victim"]
+    assert [g["found"] for g in got] == ["step_00000001"] * 2
+    assert any("step_00000002" in w and victim in w for w in got[0]["warned"]), got[0]["warned"]
+    assert got[1]["warned"] == []  # one warning, from rank 0
+    assert ("step_00000002", victim) in got[1]["read"] and ("step_00000002", victim) not in got[0]["read"]
+    older = [{f for d, f in g["read"] if d == "step_00000001"} for g in got]
+    assert not older[0] & older[1] and older[0] | older[1] == set(got[0]["files"]["step_00000001"])
+
+
 def test_keep_last_never_deletes_the_only_complete_checkpoint(tmp_path):
     engine = _trained_engine(1)
     with pytest.raises(ValueError, match="keep_last=1 must be an integer >= 2"):

@@ -611,9 +611,8 @@ def save(engine, path: str | os.PathLike, *, step: int | None = None, extra: dic
          files: dict[str, str | bytes] | None = None, group=None, rng: bool = True, async_save: bool = False,
          stager: Stager | None = None, executor: concurrent.futures.Executor | None = None, after=None):
     """Save ``engine``'s state into the directory ``path`` (see the module docstring), complete
-    with its manifest. A collective over ``group`` (default: every rank). Returns None, or with
-    ``async_save`` a future that completes once the checkpoint is (on rank 0: once its manifest is
-    written). An async save copies the state (``stager``, reused from save to save when given) and
+    with its manifest. A collective over ``group`` (default: every rank). Returns None once the
+    checkpoint is complete on disk, or with ``async_save`` a future that completes then. An async save copies the state (``stager``, reused from save to save when given) and
     returns; the rest runs on ``executor`` (default: a thread of its own) while training goes on:
     the check that every weight is finite, the directory and ``meta.json``, DCP's planning, the
     writes and the manifest. ``after``: called on rank 0 once the checkpoint is complete (e.g. to
@@ -672,12 +671,18 @@ def _write(tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, 
     if _distributed(group):
         sums = [None] * dist.get_world_size(group)
         dist.all_gather_object(sums, writer.sums, group=group)
+    problem = None
     if rank == 0:
         for s in sums:
             known.update(s)
-        _write_manifest(path, known)
-        if after is not None:
+        try:
+            _write_manifest(path, known)
+        except OSError as e:
+            problem = f"cannot complete {path}: writing {MANIFEST} failed: {type(e).__name__}: {e}"
+        if problem is None and after is not None:
             after()
+    # the save returns on every rank once the checkpoint is complete (or raises on every rank)
+    _agree(problem, group, f"rank 0 could not complete {path} (see its error)")
 
 
 def finish(path: str | os.PathLike) -> None:
