@@ -178,3 +178,94 @@ def test_the_final_checkpoint_is_the_uninterrupted_runs_bit_for_bit(runs):
         zc.read_tensors(mine, {key: a})
         zc.read_tensors(ref, {key: b})
         assert torch.equal(a, b), f"{what} {key} differs from the uninterrupted run's"
+
+
+# ----- preemption handed over to the scheduler's own handler (submitit's requeue) ------------------
+def test_sigusr1_hands_over_to_the_previous_python_handler_after_the_save(tmp_path):
+    """A Python handler installed before the trainer's (submitit's is one) runs once, after the
+    coordinated save and summary.json, and is the signal's handler again afterwards."""
+    from experiments.train import train
+
+    calls = []
+
+    def stand_in(signum, frame):
+        summary = tmp_path / "summary.json"
+        calls.append((signum, zc.verify(zc.step_dir(tmp_path / "checkpoints", 4)),
+                      json.loads(summary.read_text())["status"] if summary.is_file() else None))
+
+    previous = signal.signal(signal.SIGUSR1, stand_in)
+    undo = cc.signal_at(3, signal.SIGUSR1)  # while drawing step index 3's batch: step 4 runs, then the save
+    try:
+        summary = train(cc.train_cfg(), run_dir=tmp_path)
+        assert signal.getsignal(signal.SIGUSR1) is stand_in
+    finally:
+        undo()
+        signal.signal(signal.SIGUSR1, previous)
+    assert summary["status"] == "preempted" and summary["last_step"] == 4, summary
+    # one call, with the signal, once step 4's checkpoint was complete and the summary written
+    assert calls == [(signal.SIGUSR1, None, "preempted")], calls
+
+
+def _submitit_task(folder: Path, job_id: str) -> subprocess.CompletedProcess:
+    """What a submitit job's task runs, in submitit's local environment: load the job pickle,
+    install submitit's signal handlers, run it (``submitit.core.submission.process_job``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_JOB_ID=job_id,
+               SUBMITIT_LOCAL_NTASKS="1", SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_LOCAL_NODEID="0",
+               SUBMITIT_LOCAL_GLOBALID="0", SUBMITIT_LOCAL_LOCALID="0")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "submitit.core._submit", str(folder)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_submitit_requeues_a_preempted_job_after_its_save_and_the_requeued_job_resumes(tmp_path):
+    """submitit's own handler, driven locally: its preemption signal (USR2) in step 4 of 6; the
+    trainer finishes the step, saves, writes its summary, then hands over to submitit's handler,
+    which calls the job's checkpoint() (the Hydra launcher resubmits itself there), requeues (the
+    local environment's requeue is exit status 144, which submitit's local controller restarts)
+    and exits. The requeued job resumes at step 4 and ends as the uninterrupted run."""
+    pytest.importorskip("submitit")
+    from submitit.helpers import DelayedSubmission
+    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+
+    from experiments.train import train
+
+    folder, run_dir, job_id = tmp_path / "submitit", tmp_path / "run", "4242"
+    folder.mkdir()
+    job = DelayedSubmission(cc.SubmititJob(str(run_dir), [], signal_step=3))
+    job.set_timeout(60, 0)  # 60 min, no timeouts left: a preemption (not a time limit) is still requeued
+    job.dump(folder / f"{job_id}_submitted.pkl")
+    result = folder / f"{job_id}_0_result.pkl"
+
+    first = _submitit_task(folder, job_id)
+    out = f"{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
+    assert first.returncode == LOCAL_REQUEUE_RETURN_CODE, out
+    log = first.stdout + first.stderr
+    assert "Caught signal SIGUSR2" in log and f"Requeued job {job_id}" in log and "handing SIGUSR2 over" in log, out
+    handed = json.loads((run_dir / "handed_over_0.json").read_text())
+    assert handed["complete"] and handed["complete"][0] == 4, handed  # saved before submitit took over
+    assert handed["summary"]["status"] == "preempted" and handed["summary"]["last_step"] == 4, handed
+    assert not result.exists()  # no result: submitit sees a job to run again, not a finished one
+
+    second = _submitit_task(folder, job_id)
+    out = f"{second.stdout[-2000:]}\n{second.stderr[-3000:]}"
+    assert second.returncode == 0 and "resumed from" in second.stdout, out
+    status, summary = __import__("pickle").loads(result.read_bytes())
+    assert status == "success", summary
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 4, summary
+    torch.set_num_threads(1)  # the job's thread count (one_thread puts the old one back)
+    full = train(cc.train_cfg(), run_dir=tmp_path / "full")
+    assert summary["train_losses"] == full["train_losses"]
+    assert [r["step"] for r in metric_rows(run_dir)] == list(range(1, 7))
+
+
+def test_the_preemption_signals_in_and_out_of_a_submitit_job():
+    from experiments.checkpoint import preemption_signals
+
+    term, usr1, usr2 = signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2
+    assert preemption_signals({}) == (term, usr1)
+    assert preemption_signals({"SUBMITIT_EXECUTOR": "slurm"}) == (term, usr1, usr2)  # submitit's default
+    assert preemption_signals({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}) == (term, usr1)
+    with pytest.raises(ValueError, match=r"SUBMITIT_PREEMPT_SIGNAL='SIGUSR2' is not a signal: expected a name without SIG"):
+        preemption_signals({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_PREEMPT_SIGNAL": "SIGUSR2"})
