@@ -181,9 +181,11 @@ def test_the_final_checkpoint_is_the_uninterrupted_runs_bit_for_bit(runs):
 
 
 # ----- preemption handed over to the scheduler's own handler (submitit's requeue) ------------------
-def test_sigusr1_hands_over_to_the_previous_python_handler_after_the_save(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sigusr1_hands_over_to_the_previous_python_handler_after_the_save(tmp_path, async_save):
     """A Python handler installed before the trainer's (submitit's is one) runs once, after the
-    coordinated save and summary.json, and is the signal's handler again afterwards."""
+    coordinated save (an async one's manifest included) and summary.json, and is the signal's
+    handler again afterwards."""
     from experiments.train import train
 
     calls = []
@@ -196,7 +198,7 @@ def test_sigusr1_hands_over_to_the_previous_python_handler_after_the_save(tmp_pa
     previous = signal.signal(signal.SIGUSR1, stand_in)
     undo = cc.signal_at(3, signal.SIGUSR1)  # while drawing step index 3's batch: step 4 runs, then the save
     try:
-        summary = train(cc.train_cfg(), run_dir=tmp_path)
+        summary = train(cc.train_cfg(f"train.checkpoint.async_save={str(async_save).lower()}"), run_dir=tmp_path)
         assert signal.getsignal(signal.SIGUSR1) is stand_in
     finally:
         undo()
