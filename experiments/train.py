@@ -476,7 +476,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     ckpts.close()
     wall = time.perf_counter() - t_start
     summary = {
-        "status": status,  # or "preempted": stopped by SIGTERM/SIGUSR1 after step "last_step", saved there
+        "status": status,  # or "preempted": stopped by SIGTERM/SIGUSR1 (or submitit's signal) after step "last_step", saved there
         "last_step": done,
         "resumed_from_step": start if resumed else None,
         "final_val_loss": val_loss,
@@ -508,6 +508,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                   f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits", flush=True)
     if keep_weights:  # after summary.json: tensors are not JSON
         summary["weights"] = engine.full_parameters()  # a collective: every rank calls it
+    if status == "preempted":  # last: the signal's previous Python handler (submitit's requeue) may exit
+        ckpts.hand_over()
     return summary
 
 

@@ -255,3 +255,42 @@ def shared_verification_rank(rank, world, root):
         zc.file_digest = digest
     return {"found": found.name, "victim": victim, "read": read, "warned": [str(w.message) for w in caught],
             "files": {p.name: sorted(json.loads((p / zc.MANIFEST).read_text())["files"]) for _, p in zc.list_checkpoints(root)}}
+
+
+class SubmititJob:
+    """A submitit job's callable, as Hydra's submitit launcher is one (pickled into the job folder,
+    run by ``python -m submitit.core._submit <folder>``): trains ``train_cfg(*overrides)`` into
+    ``run_dir`` on one process, and in its first attempt sends itself submitit's preemption signal
+    (``SUBMITIT_PREEMPT_SIGNAL``, USR2 by default) while drawing the batch of step index
+    ``signal_step``. ``checkpoint()`` is what submitit's signal handler calls before it requeues
+    the job: it records what exists at that moment into ``run_dir/handed_over_<attempt>.json`` (the
+    complete checkpoints, summary.json) and returns the next attempt, which resumes (train.resume=auto)."""
+
+    def __init__(self, run_dir: str, overrides: list[str], signal_step: int, attempt: int = 0):
+        self.run_dir, self.overrides, self.signal_step, self.attempt = run_dir, list(overrides), signal_step, attempt
+
+    def __call__(self) -> dict:
+        import os
+        import signal
+
+        from experiments.train import train
+
+        torch.set_num_threads(1)
+        signum = getattr(signal, "SIG" + (os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"))
+        undo = signal_at(self.signal_step, signum) if self.attempt == 0 else (lambda: None)
+        try:
+            return train(train_cfg(*self.overrides), run_dir=self.run_dir)
+        finally:
+            undo()
+
+    def checkpoint(self):
+        import json
+        from pathlib import Path
+
+        import submitit
+
+        run_dir = Path(self.run_dir)
+        complete = [s for s, p in zc.list_checkpoints(run_dir / "checkpoints") if zc.verify(p) is None]
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else None
+        (run_dir / f"handed_over_{self.attempt}.json").write_text(json.dumps({"complete": complete, "summary": summary}))
+        return submitit.helpers.DelayedSubmission(SubmititJob(self.run_dir, self.overrides, self.signal_step, self.attempt + 1))

@@ -437,45 +437,6 @@ def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_pat
         assert (out / "config.yaml").is_file()
 
 
-def test_torchrun_restarts_after_a_sigkill_and_finishes_like_one_process(trainer_runs, tmp_path):
-    """torchrun --max-restarts=1, 2 ranks (ep2, ZeRO-3); rank 1 is SIGKILLed inside the save of
-    step 4 (tests/ckpt_restart_worker.py): the group restarts, resumes from step 2 (the newest
-    complete checkpoint; step 4 has no manifest) and logs the uninterrupted 2-rank run's losses bit
-    for bit (the same layout and thread count), which are the single-process run's within rounding."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    _, single, _, two, _ = trainer_runs
-    run_dir = tmp_path / "tr"
-    # without its own rendezvous store per attempt a restarted group reads the old attempt's
-    # addresses (README: Restarts)
-    env = dict(os.environ, OMP_NUM_THREADS="1", SWITCHYARD_TEST_KILL_AT="4", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "-m", "tests.ckpt_restart_worker", *cc.TRAIN, "parallel=ep2", "parallel.zero_stage=3", "train.checkpoint.every=2",
-           f"hydra.run.dir={run_dir}"]
-    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "resumed from" in p.stdout and "at step 2" in p.stdout, p.stdout[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from_step"] == 2 and summary["status"] == "completed"
-    assert summary["train_losses"] == two[0]["full"]["train_losses"]
-    torch.testing.assert_close(torch.tensor(summary["train_losses"]), torch.tensor(single["train_losses"]),
-                               rtol=TRAIN_LOSS_RTOL, atol=0)
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the killed attempt's rows after step 2 were dropped
-    assert [s for s, _ in zc.list_checkpoints(run_dir / "checkpoints")] == [6, 4]
-    # and the final weights: the last checkpoints of both runs, parameter by parameter
-    root = trainer_runs[0]
-    mine, ref = zc.step_dir(run_dir / "checkpoints", 6), zc.step_dir(root / "two" / "full" / "checkpoints", 6)
-    saved = zc.SafeReader(ref).read_metadata().state_dict_metadata
-    for key in (k for k in saved if k.startswith(zc.PARAM)):
-        a, b = (torch.empty(saved[key].size) for _ in range(2))
-        zc.read_tensors(mine, {key: a})
-        zc.read_tensors(ref, {key: b})
-        assert torch.equal(a, b), key
-
-
 def test_zero_checkpoint_imports_without_moe_or_hydra():
     import subprocess
     import sys
