@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import sys
 import time
 from contextlib import nullcontext
@@ -307,6 +308,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     if data.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"data vocabulary {data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
+    random.seed(cfg.seed)  # and Python's generator (checkpoints carry its state) for code that uses it
     model = build_model(cfg, layout).to(device)
     model.train()
     if tcfg.compile:

@@ -107,6 +107,8 @@ def test_init_distributed_single_task_and_batch_script(monkeypatch, no_scontrol)
 def test_slurm_launcher_config_composes():
     # what Hydra's plugin discovery does before a command-line run: register the plugin's configs
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher.config")
+    from experiments import schema  # noqa: F401  (registers the trainer's structured configs, as experiments.train does)
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.tasks_per_node=4"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
