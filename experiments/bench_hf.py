@@ -3,7 +3,7 @@ Mixtral also our own ``moe.model.Transformer`` with the same weights, side by si
 
     python -m experiments.bench_hf [--archs mixtral qwen3_moe olmoe deepseek_v3] [--reps 5]
         [--batch 8] [--seq 512] [--layers 2] [--device cpu|cuda] [--precision fp32|bf16]
-        [--threads N] [--cpu-time]
+        [--threads N] [--cpu-time] [--moe-share]
 
 "Stock" is the model as transformers builds it, with its default experts implementation (in
 transformers 5.24 ``grouped_mm``: torch's grouped matmul, which has a CPU kernel; the arch column
@@ -21,6 +21,11 @@ that slows one repetition slows each model in it alike); ``--threads 1 --cpu-tim
 process's CPU time, which leaves out what other jobs take from it. Sizes are chosen so the MoE blocks
 dominate a step: Mixtral-like coarse experts (D=512, F=1024, E=8, k=2) and fine-grained ones
 (D=512, F=256, E=64, k=6, OLMoE k=8); the vocabulary is small (1024) so the LM head does not.
+
+``--moe-share`` also prints the fraction of a step (forward and backward) spent inside the MoE
+blocks of the stock and of the patched model, measured on one more step with hooks: the rest of the
+step (attention, norms, the LM head, AdamW) is the same code in both, so it bounds what a faster
+MoE block can give (stock / patched <= 1 / (1 - share of the stock step)).
 
 ``--device cuda --precision bf16`` runs the same comparison on a GPU under bf16 autocast (fp32
 weights and optimizer state), synchronising before each clock reading.
@@ -143,6 +148,48 @@ def measure(models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock
     return {"time": {n: statistics.median(t) for n, t in times.items()}, "loss": first, "ratios": ratios}
 
 
+def moe_blocks(model) -> list:
+    """The model's MoE blocks: the stock sparse-MoE modules, or the ``MoELayer`` that replaced them."""
+    import moe
+    import moe.hf
+
+    names = {block for block, _ in moe.hf._BLOCKS.values()}
+    return [m for m in model.modules() if isinstance(m, moe.MoELayer) or type(m).__name__ in names]
+
+
+def moe_share(model, step, clock=time.perf_counter) -> float:
+    """The fraction of one training step (``step()``) spent inside the model's MoE blocks, forward
+    and backward. Forward: from a block's pre-hook to its hook. Backward: from the moment the
+    gradient of a block's output exists to the moment its input's gradient is complete (the input
+    also feeds the residual path, whose gradient is there first), so the span covers the block's own
+    backward; autograd runs one node at a time on the CPU. Measured on a step of its own (the hooks
+    cost a little), after the timed ones."""
+    spans, handles = [], []
+
+    def pre(module, args):
+        x = args[0]
+        if x.requires_grad:
+            x.register_hook(lambda g: spans.append(clock()) or None)  # backward: end
+        spans.append(-clock())  # forward: start
+
+    def post(module, args, out):
+        spans.append(clock())  # forward: end
+        y = out[0] if isinstance(out, tuple) else out
+        if y.requires_grad:
+            y.register_hook(lambda g: spans.append(-clock()) or None)  # backward: start
+
+    for block in moe_blocks(model):
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    try:
+        t0 = clock()
+        step()
+        total = clock() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(spans) / total  # each span is a (-start, end) pair, in order
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--archs", nargs="+", default=list(SIZES))
@@ -153,6 +200,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--moe-share", action="store_true",
+                   help="also print the MoE blocks' share of a step (forward + backward) of the stock and the patched model")
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this process's CPU time: with --threads 1, what other jobs on a shared machine take is left out")
     args = p.parse_args(argv)
@@ -179,6 +228,10 @@ def main(argv=None):
         print(f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
               f"{ratio['patched']:.2f}x | {cell(ratio, 'ours', '.2f')}{'x' if 'ours' in ratio else ''} | "
               f"{', '.join(f'{loss[n]:.5f}' for n in loss)} |", flush=True)
+        if args.moe_share:
+            shares = {n: moe_share(models[n], make_step(models[n], ids_BL, autocast), clock=time.process_time if args.cpu_time else time.perf_counter)
+                      for n in ("stock", "patched")}
+            print(f"  {arch}: MoE blocks' share of a step: stock {shares['stock']:.0%}, patched {shares['patched']:.0%}", flush=True)
         del models
 
 
