@@ -56,7 +56,7 @@ from .model import Transformer, TransformerConfig
 
 
 # ---------------------------------------------------------------------------------------------
-# the expert layouts (also used by moe.hf.patch, which views transformers' fused tensors in place)
+# the expert layouts (also used by moe.hf.patch, which copies transformers' fused experts through them)
 
 
 def fused_to_ours(gate_up: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
