@@ -188,12 +188,6 @@ class CheckpointTensors(TensorSource):
         return t if lo is None else t[lo:hi]
 
 
-def _copy_saved_files(checkpoint: Path, out: Path) -> None:
-    for extra in ("config.yaml", zc.META):
-        if (checkpoint / extra).is_file():
-            shutil.copyfile(checkpoint / extra, out / extra)
-
-
 def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
     """Write ``<out>/model.safetensors``: every parameter (full, unsharded, in its global shape) and
     every ``state_dict`` buffer of the checkpoint, whatever layout saved it, plus its
@@ -203,7 +197,9 @@ def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     target = write_safetensors(out / "model.safetensors", [(n, src.meta(n)) for n in src.keys()],
                                ((n, src.get(n)) for n in src.keys()), metadata={"format": "pt", "source": str(src.path)})
-    _copy_saved_files(src.path, out)
+    for extra in ("config.yaml", zc.META):
+        if (src.path / extra).is_file():
+            shutil.copyfile(src.path / extra, out / extra)
     return target
 
 

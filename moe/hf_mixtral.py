@@ -292,7 +292,7 @@ def _rows(cfg: TransformerConfig) -> Iterator[tuple[Row, int]]:
             yield row, -1
 
 
-def _check_state(src: "TensorSource", cfg: TransformerConfig) -> None:
+def _check_state(src: TensorSource, cfg: TransformerConfig) -> None:
     """``src`` holds the whole model of ``cfg``: its names and shapes (read from the source's
     metadata, no tensor is loaded), every expert, and the Mixtral-less buffers zero (these small
     buffers are read). A tied head may be absent (it is the embedding)."""
