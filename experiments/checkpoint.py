@@ -221,7 +221,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | N
     """Write the model of a training checkpoint (any layout) as a transformers Mixtral checkpoint
     directory (``moe.hf_mixtral.export_mixtral``), with the architecture from the checkpoint's
     ``config.yaml``. Reads one parameter at a time (the largest: one layer's ``w1``, ``w3`` or
-    ``w2`` over all experts). A config Mixtral cannot compute is a ValueError naming the field."""
+    ``w2`` over all experts, or the embedding). A config Mixtral cannot compute is a ValueError naming the field."""
     cfg = saved_model_config(checkpoint)
     check_exportable(cfg)  # before reading any tensor
     return export_mixtral(CheckpointTensors(checkpoint), out, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -502,7 +502,7 @@ def export_mixtral(src, out_dir: str | os.PathLike, cfg: TransformerConfig | Non
     for all but the first. ``dtype``: the file's dtype (default: the embedding's). Returns ``out_dir``.
 
     The files are written tensor by tensor: from a file or a ``TensorSource`` one of our tensors is
-    read at a time (an expert weight of one layer, all experts, is the largest)."""
+    read at a time (the largest: one layer's expert weight over all experts, or the embedding)."""
     if isinstance(src, Transformer):
         cfg = src.cfg if cfg is None else cfg
         src = TensorSource(src.state_dict())
