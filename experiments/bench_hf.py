@@ -3,7 +3,7 @@ Mixtral also our own ``moe.model.Transformer`` with the same weights, side by si
 
     python -m experiments.bench_hf [--archs mixtral qwen3_moe olmoe deepseek_v3] [--reps 5]
         [--batch 8] [--seq 512] [--layers 2] [--device cpu|cuda] [--precision fp32|bf16]
-        [--threads N] [--cpu-time]
+        [--threads N] [--cpu-time] [--moe-share] [--layer-floor]
 
 "Stock" is the model as transformers builds it, with its default experts implementation (in
 transformers 5.24 ``grouped_mm``: torch's grouped matmul, which has a CPU kernel; the arch column
@@ -21,6 +21,15 @@ that slows one repetition slows each model in it alike); ``--threads 1 --cpu-tim
 process's CPU time, which leaves out what other jobs take from it. Sizes are chosen so the MoE blocks
 dominate a step: Mixtral-like coarse experts (D=512, F=1024, E=8, k=2) and fine-grained ones
 (D=512, F=256, E=64, k=6, OLMoE k=8); the vocabulary is small (1024) so the LM head does not.
+
+``--moe-share`` also prints the fraction of a step (forward and backward) spent inside the MoE
+blocks of the stock and of the patched model, measured on one more step with hooks: the rest of the
+step (attention, norms, the LM head, AdamW) is the same code in both, so it bounds what a faster
+MoE block can give (stock / patched <= 1 / (1 - share of the stock step)).
+
+``--layer-floor`` times one MoE block alone (forward and backward of the sum of its output), stock
+and patched, and beside them the patched block's expert matmuls alone (9 per expert, at the counts
+its router chose, nothing else): the floor a CPU expert path at this matmul rate cannot go under.
 
 ``--device cuda --precision bf16`` runs the same comparison on a GPU under bf16 autocast (fp32
 weights and optimizer state), synchronising before each clock reading.
@@ -143,6 +152,102 @@ def measure(models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock
     return {"time": {n: statistics.median(t) for n, t in times.items()}, "loss": first, "ratios": ratios}
 
 
+def moe_blocks(model) -> list:
+    """The model's MoE blocks: the stock sparse-MoE modules, or the ``MoELayer`` that replaced them."""
+    import moe
+    import moe.hf
+
+    names = {block for block, _ in moe.hf._BLOCKS.values()}
+    return [m for m in model.modules() if isinstance(m, moe.MoELayer) or type(m).__name__ in names]
+
+
+def moe_share(model, step, clock=time.perf_counter, reps: int = 3) -> float:
+    """The fraction of one training step (``step()``) spent inside the model's MoE blocks, forward
+    and backward. Forward: from a block's pre-hook to its hook. Backward: from the moment the
+    gradient of a block's output exists to the moment its input's gradient is complete (the input
+    also feeds the residual path, whose gradient is there first), so the span covers the block's own
+    backward; autograd runs one node at a time on the CPU. Measured on steps of their own (the hooks
+    cost a little), after the timed ones: the median of ``reps``."""
+    spans, handles = [], []
+
+    def pre(module, args):
+        x = args[0]
+        if x.requires_grad:
+            x.register_hook(lambda g: spans.append(clock()) or None)  # backward: end
+        spans.append(-clock())  # forward: start
+
+    def post(module, args, out):
+        spans.append(clock())  # forward: end
+        y = out[0] if isinstance(out, tuple) else out
+        if y.requires_grad:
+            y.register_hook(lambda g: spans.append(-clock()) or None)  # backward: start
+
+    for block in moe_blocks(model):
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    shares = []
+    try:
+        for _ in range(reps):
+            spans.clear()
+            t0 = clock()
+            step()
+            shares.append(sum(spans) / (clock() - t0))  # each span is a (-start, end) pair, in order
+    finally:
+        for h in handles:
+            h.remove()
+    return statistics.median(shares)
+
+
+def expert_matmuls(experts, counts: list[int]):
+    """A function running the 9 matmuls per expert that a SwiGLU expert layer's forward and backward
+    need (x w1, x w3, a w2; g w2^T, dh1 w1^T, dh3 w3^T; a^T g, x^T dh1, x^T dh3) on ``counts[e]``
+    rows each, and nothing else: the floor under the layer's time at this matmul rate."""
+    w1, w3, w2 = experts.w1.detach(), experts.w3.detach(), experts.w2.detach()
+    S, D, F = sum(counts), w1.shape[1], w1.shape[2]
+    x, h, g = torch.randn(S, D), torch.randn(S, F), torch.randn(S, D)
+    out_F, out_D, out_DF, out_FD = torch.empty(max(counts), F), torch.empty(max(counts), D), torch.empty(D, F), torch.empty(F, D)
+
+    def run():
+        a = 0
+        for e, n in enumerate(counts):
+            xe, he, ge = x[a : a + n], h[a : a + n], g[a : a + n]
+            a += n
+            torch.mm(xe, w1[e], out=out_F[:n]), torch.mm(xe, w3[e], out=out_F[:n]), torch.mm(he, w2[e], out=out_D[:n])
+            torch.mm(ge, w2[e].t(), out=out_F[:n]), torch.mm(he, w1[e].t(), out=out_D[:n]), torch.mm(he, w3[e].t(), out=out_D[:n])
+            torch.mm(he.t(), ge, out=out_FD), torch.mm(xe.t(), he, out=out_DF), torch.mm(xe.t(), he, out=out_DF)
+
+    return run
+
+
+def layer_floor(arch: str, batch: int, seq: int, reps: int, clock=time.perf_counter, sizes=None, heads: int = HEADS) -> dict:
+    """One MoE block, forward + backward of ``sum(output)`` on the same ``[batch, seq, D]`` input:
+    the stock block, the patched one, and the patched block's expert matmuls alone
+    (``expert_matmuls`` at the counts the patched router chose); medians over ``reps``, interleaved."""
+    sizes = sizes or SIZES[arch]
+    models = models_for(arch, 1, seq, sizes=sizes, heads=heads)
+    stock, patched = moe_blocks(models["stock"])[0], moe_blocks(models["patched"])[0]
+    torch.manual_seed(2)
+    x = torch.randn(batch, seq, sizes[0], requires_grad=True)
+    patched(x)
+    floor = expert_matmuls(patched.experts, patched.stats.tokens_per_expert.tolist())
+
+    def fwd_bwd(block):
+        def run():
+            block.zero_grad(set_to_none=True)
+            out = block(x)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+        return run
+
+    runs = {"stock": fwd_bwd(stock), "patched": fwd_bwd(patched), "expert matmuls": floor}
+    times = {name: [] for name in runs}
+    for rep in range(reps + 1):
+        for name, run in runs.items():
+            t0 = clock()
+            run()
+            if rep:  # the first is the warm-up
+                times[name].append(clock() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--archs", nargs="+", default=list(SIZES))
@@ -153,6 +258,10 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--moe-share", action="store_true",
+                   help="also print the MoE blocks' share of a step (forward + backward) of the stock and the patched model")
+    p.add_argument("--layer-floor", action="store_true",
+                   help="also time one MoE block alone (forward + backward), stock and patched, against its expert matmuls alone")
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this process's CPU time: with --threads 1, what other jobs on a shared machine take is left out")
     args = p.parse_args(argv)
@@ -179,7 +288,15 @@ def main(argv=None):
         print(f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
               f"{ratio['patched']:.2f}x | {cell(ratio, 'ours', '.2f')}{'x' if 'ours' in ratio else ''} | "
               f"{', '.join(f'{loss[n]:.5f}' for n in loss)} |", flush=True)
+        if args.moe_share:
+            shares = {n: moe_share(models[n], make_step(models[n], ids_BL, autocast), clock=time.process_time if args.cpu_time else time.perf_counter)
+                      for n in ("stock", "patched")}
+            print(f"  {arch}: MoE blocks' share of a step: stock {shares['stock']:.0%}, patched {shares['patched']:.0%}", flush=True)
         del models
+        if args.layer_floor:
+            f = layer_floor(arch, args.batch, args.seq, args.reps, clock=time.process_time if args.cpu_time else time.perf_counter)
+            print(f"  {arch}: one MoE block, forward + backward: stock {f['stock'] * 1e3:.0f} ms, patched {f['patched'] * 1e3:.0f} ms "
+                  f"({f['stock'] / f['patched']:.2f}x), its expert matmuls alone {f['expert matmuls'] * 1e3:.0f} ms", flush=True)
 
 
 if __name__ == "__main__":

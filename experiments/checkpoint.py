@@ -2,6 +2,8 @@
 consolidation command. The storage format and its guarantees are ``zero.checkpoint``'s.
 
     python -m experiments.checkpoint consolidate <checkpoint> <out>   # -> <out>/model.safetensors (+ config)
+    python -m experiments.checkpoint export-hf <checkpoint> <out> [--dtype bf16] [--max-shard-bytes N]
+                                                                      # -> a transformers Mixtral directory
 
 ``TrainCheckpoints`` is what ``experiments.train`` calls: ``resume()`` before the loop, ``stop_requested()``
 after each step (SIGTERM or SIGUSR1 on any rank, agreed by all), ``due()`` / ``save()``, ``close()``,
@@ -10,7 +12,6 @@ and for a preempted run ``hand_over()`` last (submitit's requeue).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import zero
+from moe.hf_mixtral import DEFAULT_SHARD_BYTES, TensorSource, check_exportable, export_mixtral, write_safetensors
 from zero import checkpoint as zc
 
 RESUME_CHOICES = ("auto", "none")
@@ -190,10 +192,39 @@ class TrainCheckpoints:
         self.preemption.hand_over()
 
 
-# ----- consolidation ---------------------------------------------------------------------------
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+# ----- consolidation and export ----------------------------------------------------------------
+class CheckpointTensors(TensorSource):
+    """The model of a checkpoint (any layout) as named full tensors, read one at a time: every
+    parameter in its global shape (``get`` assembles it from the chunks every rank wrote) and every
+    saved ``state_dict`` buffer, under the model's names. Shapes and dtypes come from the metadata
+    (and the tiny ``shape/`` tensors), so listing them reads no weight. The checkpoint is verified
+    against its manifest first (ValueError naming the problem)."""
+
+    def __init__(self, checkpoint: str | Path):
+        self.path = Path(checkpoint)
+        problem = zc.verify(self.path)
+        if problem is not None:
+            raise ValueError(f"checkpoint {self.path} is incomplete or corrupt: {problem}")
+        saved = zc.SafeReader(self.path).read_metadata().state_dict_metadata
+        names = sorted(k[len(zc.PARAM):] for k in saved if k.startswith(zc.PARAM))
+        shapes = {zc.SHAPE + n: torch.empty(saved[zc.SHAPE + n].size, dtype=torch.int64) for n in names}
+        zc.read_tensors(self.path, shapes)
+        entries = {n: (zc.PARAM + n, torch.Size(shapes[zc.SHAPE + n].tolist())) for n in names}
+        entries.update((k[len(zc.BUFFER):], (k, saved[k].size)) for k in sorted(saved) if k.startswith(zc.BUFFER))
+        self._saved = saved
+        super().__init__(entries)
+
+    def meta(self, name: str) -> torch.Tensor:
+        key, shape = self._state[name]
+        return torch.empty(shape, dtype=self._saved[key].properties.dtype, device="meta")
+
+    def _tensor(self, name: str, lo: int | None, hi: int | None) -> torch.Tensor:
+        key, shape = self._state[name]
+        md = self._saved[key]
+        t = torch.empty(md.size, dtype=md.properties.dtype)
+        zc.read_tensors(self.path, {key: t})  # a parameter's chunks, from every rank that wrote one
+        t = t.view(shape)
+        return t if lo is None else t[lo:hi]
 
 
 def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
@@ -201,49 +232,61 @@ def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
     every ``state_dict`` buffer of the checkpoint, whatever layout saved it, plus its
     ``config.yaml`` and ``meta.json``. One process, no GPU; one full tensor in memory at a time
     (each is read from its chunks straight into place and written out before the next)."""
-    checkpoint, out = Path(checkpoint), Path(out)
-    problem = zc.verify(checkpoint)
-    if problem is not None:
-        raise ValueError(f"checkpoint {checkpoint} is incomplete or corrupt: {problem}")
-    saved = zc.SafeReader(checkpoint).read_metadata().state_dict_metadata
-    names = sorted(k[len(zc.PARAM):] for k in saved if k.startswith(zc.PARAM))
-    shapes = {zc.SHAPE + n: torch.empty(saved[zc.SHAPE + n].size, dtype=torch.int64) for n in names}
-    zc.read_tensors(checkpoint, shapes)
-    entries = [(n, zc.PARAM + n, tuple(shapes[zc.SHAPE + n].tolist())) for n in names]
-    entries += [(k[len(zc.BUFFER):], k, tuple(saved[k].size)) for k in sorted(saved) if k.startswith(zc.BUFFER)]
-    header, offset = {}, 0
-    for name, key, shape in entries:
-        dtype = saved[key].properties.dtype
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {"format": "pt", "source": str(checkpoint)}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    src, out = CheckpointTensors(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    target = out / "model.safetensors"
-    with open(target.with_name(target.name + ".tmp"), "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for name, key, shape in entries:
-            md = saved[key]
-            t = torch.empty(md.size, dtype=md.properties.dtype)
-            zc.read_tensors(checkpoint, {key: t})  # a parameter's chunks, from every rank that wrote one
-            f.write(memoryview(t.view(torch.uint8).numpy()))
-            del t
-    target.with_name(target.name + ".tmp").replace(target)
+    target = write_safetensors(out / "model.safetensors", [(n, src.meta(n)) for n in src.keys()],
+                               ((n, src.get(n)) for n in src.keys()), metadata={"format": "pt", "source": str(src.path)})
     for extra in ("config.yaml", zc.META):
-        if (checkpoint / extra).is_file():
-            shutil.copyfile(checkpoint / extra, out / extra)
+        if (src.path / extra).is_file():
+            shutil.copyfile(src.path / extra, out / extra)
     return target
+
+
+def saved_model_config(checkpoint: str | Path):
+    """The ``TransformerConfig`` the run that saved ``checkpoint`` trained (its ``config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    from experiments.train import model_config  # not at import time: experiments.train imports this module
+
+    path = Path(checkpoint) / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"checkpoint {checkpoint} has no config.yaml (the trainer saves the resolved config beside "
+                         "the shards); without it the model's architecture is unknown")
+    return model_config(OmegaConf.load(path))
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the model of a training checkpoint (any layout) as a transformers Mixtral checkpoint
+    directory (``moe.hf_mixtral.export_mixtral``), with the architecture from the checkpoint's
+    ``config.yaml``. Reads one parameter at a time (the largest: one layer's ``w1``, ``w3`` or
+    ``w2`` over all experts, or the embedding). A config Mixtral cannot compute is a ValueError naming the field."""
+    cfg = saved_model_config(checkpoint)
+    check_exportable(cfg)  # before reading any tensor
+    return export_mixtral(CheckpointTensors(checkpoint), out, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _resolve(path: Path) -> Path | None:
+    """A checkpoint directory, or the newest complete one under a directory of them (None: none)."""
+    return path if _checkpoint_or_root(path) else zc.latest_complete(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.checkpoint", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    where = "a checkpoint directory (step_<N>), or a directory of them (its newest complete)"
     c = sub.add_parser("consolidate", help="one model.safetensors (+ config) with full weights, from any layout")
-    c.add_argument("checkpoint", help="a checkpoint directory (step_<N>), or a directory of them (its newest complete)")
+    c.add_argument("checkpoint", help=where)
     c.add_argument("out", help="output directory")
+    x = sub.add_parser("export-hf", help="a transformers Mixtral checkpoint directory (config.json + safetensors), from any layout")
+    x.add_argument("checkpoint", help=where)
+    x.add_argument("out", help="output directory (new or empty)")
+    x.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="the files' dtype (default: the checkpoint's, fp32)")
+    x.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES,
+                   help="split into model-0000i-of-0000n.safetensors files of at most this size (default 5e9)")
     v = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
     v.add_argument("checkpoint")
     args = parser.parse_args(argv)
@@ -252,18 +295,21 @@ def main(argv: list[str] | None = None) -> int:
         problem = zc.verify(path)
         print(f"{path}: {'complete' if problem is None else problem}")
         return 0 if problem is None else 1
-    if not _checkpoint_or_root(path):
-        found = zc.latest_complete(path)
-        if found is None:
-            print(f"error: {path} holds no complete checkpoint", file=sys.stderr)
-            return 1
-        path = found
+    found = _resolve(path)
+    if found is None:
+        print(f"error: {path} holds no complete checkpoint", file=sys.stderr)
+        return 1
     try:
-        target = consolidate(path, args.out)
-    except ValueError as e:
+        if args.command == "consolidate":
+            target = consolidate(found, args.out)
+            print(f"wrote {target} ({target.stat().st_size:,} bytes) from {found}")
+        else:
+            target = export_hf(found, args.out, dtype=_DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_bytes)
+            size = sum(p.stat().st_size for p in target.glob("*.safetensors"))
+            print(f"wrote a transformers Mixtral checkpoint to {target} ({size:,} bytes of weights) from {found}")
+    except (ValueError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {target} ({target.stat().st_size:,} bytes) from {path}")
     return 0
 
 

@@ -91,7 +91,7 @@ MODEL_TRAINER_FIELDS = (
     ("init_from", Optional[str], None),
 )
 # the model group: TransformerConfig without its `moe` field (the moe group is separate), plus
-# the trainer's own keys, which experiments.train.build_model takes out before building
+# the trainer's own keys, which experiments.train.model_config takes out before building
 ModelConfig = _schema_from(TransformerConfig, "ModelConfig", exclude=("moe",), extra=MODEL_TRAINER_FIELDS)
 
 

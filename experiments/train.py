@@ -97,20 +97,29 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout, c
     )
 
 
-def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transformer:
-    """The transformer of ``cfg.model`` (+ ``cfg.moe`` when any block is MoE); configs validate
-    themselves, so a bad value stops here with a message naming the key. ``model.init_from``: a
-    transformers Mixtral checkpoint directory whose weights replace the initial ones (this rank's
-    experts only), after checking that it matches model.* and moe.*."""
+def model_config(cfg: DictConfig) -> TransformerConfig:
+    """The ``TransformerConfig`` of ``cfg.model`` (+ ``cfg.moe`` when any block is MoE), without the
+    trainer's ``model.init_from``; configs validate themselves, so a bad value stops here with a
+    message naming the key. ``cfg`` may be a checkpoint's saved ``config.yaml``."""
     # plain dicts of the resolved values; a key still ??? fails here naming it (MissingMandatoryValue)
     mcfg = OmegaConf.to_container(cfg.model, resolve=True, throw_on_missing=True)
-    init_from = mcfg.pop("init_from", None)
+    for key, *_ in schema.MODEL_TRAINER_FIELDS:
+        mcfg.pop(key, None)
     moe_cfg = None
     if mcfg.get("moe_every", 1):
         moe_cfg = moe.MoEConfig.from_dict(OmegaConf.to_container(cfg.moe, resolve=True, throw_on_missing=True))
-        if moe_cfg.router == "expert_choice":
-            print("warning: moe.router=expert_choice picks tokens across the whole batch, so a causal LM sees the future through it; its validation loss is optimistic", file=sys.stderr)
-    model = Transformer(TransformerConfig.from_dict(mcfg, moe=moe_cfg), layout=layout)
+    return TransformerConfig.from_dict(mcfg, moe=moe_cfg)
+
+
+def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transformer:
+    """The transformer of ``cfg.model`` (+ ``cfg.moe``; see ``model_config``). ``model.init_from``: a
+    transformers Mixtral checkpoint directory whose weights replace the initial ones (this rank's
+    experts only), after checking that it matches model.* and moe.*."""
+    mcfg = model_config(cfg)
+    if mcfg.moe is not None and mcfg.moe.router == "expert_choice":
+        print("warning: moe.router=expert_choice picks tokens across the whole batch, so a causal LM sees the future through it; its validation loss is optimistic", file=sys.stderr)
+    model = Transformer(mcfg, layout=layout)
+    init_from = cfg.model.get("init_from", None)
     if init_from:
         from moe.hf_mixtral import import_mixtral  # needs the [hf] extra
 

@@ -15,16 +15,19 @@ Supported blocks (transformers 5.x layouts), with the routing each maps to:
 Whole models move as Mixtral checkpoints: ``export_mixtral``/``import_mixtral`` (``moe.hf_mixtral``,
 which holds the one mapping table between our names and layouts and Mixtral's).
 
-Weights: on one process the patched layer holds the stock tensors' storage, never a copy (under
-expert parallelism each rank copies its own experts' slices, so the full stock tensors can go).
+Weights: the router and the shared experts are the stock Parameters; the routed experts are copied
+once, at patch time, into contiguous tensors in ``MoELayer``'s layout (under expert parallelism each
+rank copies only its own experts), and the stock fused tensors are dropped with the block.
 
 - ``router.weight`` IS the stock ``gate.weight`` Parameter (same ``[E, D]`` layout).
-- ``experts.w1``/``w3`` ``[E, D, F]`` are Parameters viewing the two halves of the stock fused
+- ``experts.w1``/``w3`` ``[X, D, F]`` hold the two halves of the stock fused
   ``experts.gate_up_proj [E, 2F, D]`` (``[:, :F]`` gate, ``[:, F:]`` up, transposed);
-  ``experts.w2 [E, F, D]`` views ``experts.down_proj [E, D, F]`` transposed
-  (``moe.hf_mixtral.fused_to_ours``, the experts' row of the mapping table). The views share storage
-  (an update to one is an update to the other) but are new leaf Parameters, so their gradients
-  are in ``w1.grad``/``w3.grad``/``w2.grad``, in the patched layout, and they are not contiguous.
+  ``experts.w2 [X, F, D]`` holds ``experts.down_proj [E, D, F]`` transposed
+  (``moe.hf_mixtral.fused_to_ours``, the experts' row of the mapping table). They are new
+  contiguous leaf Parameters: gradients land in ``w1.grad``/``w3.grad``/``w2.grad``, in the patched
+  layout. (Views of the stock storage, as the first version held, cost 3-4% of a training step:
+  the optimizer's elementwise passes over transposed, half-strided tensors, and the experts' matmuls
+  on them; docs/design.md.)
 - The shared expert's ``gate_proj``/``up_proj``/``down_proj`` Linear modules become the
   ``DenseFFN``'s ``w1``/``w3``/``w2`` as they are, and ``shared_expert_gate`` becomes the layer's
   ``shared_expert_gate`` (same Parameters).
@@ -50,7 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from routing_kernels.runtime import group_size, mark_expert_params
+from routing_kernels.runtime import mark_expert_params
 
 from .config import MoEConfig
 from .experts import DenseFFN
@@ -143,11 +146,6 @@ def _check_config(model_type: str, hf_cfg) -> None:
         _require(topk_method in (None, "noaux_tc"), "topk_method", topk_method, "only DeepSeek-V3's noaux_tc router is implemented")
 
 
-def _view_param(t: torch.Tensor) -> nn.Parameter:
-    # a new leaf sharing t's storage (t.detach() is a view of the same memory)
-    return nn.Parameter(t.detach(), requires_grad=t.requires_grad)
-
-
 def _copy_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().contiguous().clone(), requires_grad=t.requires_grad)
 
@@ -159,7 +157,6 @@ def _take_mlp(ffn: DenseFFN, mlp) -> None:
 
 def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELayer:
     cfg = _moe_config(model_type, block)
-    ep = group_size(ep_group)
     device = block.gate.weight.device
     with torch.device("meta"):
         layer = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)
@@ -168,10 +165,8 @@ def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELa
     gate_up = block.experts.gate_up_proj[lo:hi]  # [X, 2F, D]
     down = block.experts.down_proj[lo:hi]  # [X, D, F]
     layer.router.weight = block.gate.weight
-    # one process: views of the stock storage; expert parallelism: this rank's experts copied, so
-    # the stock tensors (every expert) can be freed once the block is gone
-    take = _view_param if ep == 1 else _copy_param
-    ex.w1, ex.w3, ex.w2 = (take(w) for w in fused_to_ours(gate_up, down))
+    # contiguous copies in our layout (this rank's experts only): the stock tensors go with the block
+    ex.w1, ex.w3, ex.w2 = (_copy_param(w) for w in fused_to_ours(gate_up, down))
     mark_expert_params(ex.parameters(), ex.expert_offset, ex.num_global)
     if cfg.expert_bias:
         layer.router.expert_bias = block.gate.e_score_correction_bias
@@ -193,10 +188,11 @@ def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELa
 
 def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     """Replace, in place, every sparse-MoE block of a transformers model by an ``MoELayer`` holding the
-    same weights (views, see the module docstring) and the equivalent routing; returns ``model``.
+    same weights (the experts copied into our layout, see the module docstring) and the equivalent
+    routing; returns ``model``.
 
     ``ep_group``: the expert-parallel group; each of its R ranks keeps experts
-    ``[rank * E/R, (rank + 1) * E/R)`` (copied, contiguous) and tokens cross it by All-to-All, so every
+    ``[rank * E/R, (rank + 1) * E/R)`` and tokens cross it by All-to-All, so every
     rank must call ``patch`` on the same model with the same group. ``dp_group``: the data-parallel
     group over which the layer reduces its routing statistics. None means one process for either."""
     hf_cfg = _model_config(model)
@@ -204,17 +200,17 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     _require(model_type in _BLOCKS, "model_type", model_type, f"supported model types are {SUPPORTED_MODEL_TYPES}")
     _check_config(model_type, hf_cfg)
     block_name, router_name = _BLOCKS[model_type]
-    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ == block_name]
+    targets = [name for name, m in model.named_modules() if type(m).__name__ == block_name]
     if not targets:
         raise ValueError(f"moe.hf.patch: config.model_type={model_type!r} but the model holds no {block_name} (already patched?)")
-    router_cls = type(targets[0][1].gate)
+    router_cls = type(model.get_submodule(targets[0]).gate)
     _require(router_cls.__name__ == router_name, "model_type", model_type, f"expected the router class {router_name}, found {router_cls.__name__}")
     tap_cls = _tap_class(router_cls)
     layers = []
-    for name, block in targets:
+    for name in targets:  # one block at a time, so a block's stock experts are freed before the next is copied
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = _convert_block(model_type, block, tap_cls, ep_group, dp_group)
+        layer = _convert_block(model_type, getattr(parent, child), tap_cls, ep_group, dp_group)
         setattr(parent, child, layer)
         layers.append(layer)
     _hook_taps_if_already_hooked(model, layers)

@@ -56,7 +56,7 @@ from .model import Transformer, TransformerConfig
 
 
 # ---------------------------------------------------------------------------------------------
-# the expert layouts (also used by moe.hf.patch, which views transformers' fused tensors in place)
+# the expert layouts (also used by moe.hf.patch, which copies transformers' fused experts through them)
 
 
 def fused_to_ours(gate_up: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -292,25 +292,27 @@ def _rows(cfg: TransformerConfig) -> Iterator[tuple[Row, int]]:
             yield row, -1
 
 
-def _check_state(state: dict[str, torch.Tensor], cfg: TransformerConfig) -> None:
-    """``state`` holds the whole model of ``cfg``: its names and shapes, every expert, and the
-    Mixtral-less buffers zero. A tied head may be absent (it is the embedding)."""
+def _check_state(src: TensorSource, cfg: TransformerConfig) -> None:
+    """``src`` holds the whole model of ``cfg``: its names and shapes (read from the source's
+    metadata, no tensor is loaded), every expert, and the Mixtral-less buffers zero (these small
+    buffers are read). A tied head may be absent (it is the embedding)."""
     with torch.device("meta"):  # shapes only: nothing is allocated or drawn
         ref = Transformer(cfg).state_dict()
     optional = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    missing = sorted(set(ref) - set(state) - optional)
-    unknown = sorted(set(state) - set(ref))
+    names = set(src.keys())
+    missing = sorted(set(ref) - names - optional)
+    unknown = sorted(names - set(ref))
     if missing or unknown:
         raise ValueError(f"the state dict does not hold a model of this config: missing {missing[:8]}, unknown {unknown[:8]}")
-    for name in sorted(set(ref) & set(state)):
-        got, want = tuple(state[name].shape), tuple(ref[name].shape)
+    for name in sorted(set(ref) & names):
+        got, want = tuple(src.meta(name).shape), tuple(ref[name].shape)
         if got != want:
             experts = ".experts." in name and got[1:] == want[1:]
             raise ValueError(f"{name} has shape {got}, the config's model {want}" + (
                 f": {got[0]} of num_experts={want[0]} experts; under expert parallelism gather every rank's experts "
                 "(a consolidated checkpoint) before exporting" if experts else ""))
     for name in (n for i in range(cfg.n_layers) for n in _names(ZERO_IN_MIXTRAL, i)):
-        if torch.count_nonzero(state[name]):
+        if torch.count_nonzero(src.get(name)):
             raise _bad(name, "non-zero", "Mixtral's router has no selection bias")
 
 
@@ -318,7 +320,7 @@ def to_mixtral_state_dict(state: dict[str, torch.Tensor], cfg: TransformerConfig
     """Our state dict -> ``MixtralForCausalLM.state_dict()`` names and layouts (transformers 5, fused
     experts), e.g. for ``hf_model.load_state_dict``."""
     check_exportable(cfg)
-    _check_state(state, cfg)
+    _check_state(TensorSource(state), cfg)
     out = {}
     for row, i in _rows(cfg):
         out.update(zip(_names(row.module, i), (t.contiguous() for t in row.to_module(*(state[n] for n in _names(row.ours, i))))))
@@ -327,24 +329,37 @@ def to_mixtral_state_dict(state: dict[str, torch.Tensor], cfg: TransformerConfig
     return out
 
 
-def _file_tensors(state: dict[str, torch.Tensor], cfg: TransformerConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our state dict as a Mixtral checkpoint file's (name, tensor), in table order."""
+def _file_tensors(get: Callable[[str], torch.Tensor], cfg: TransformerConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Mixtral checkpoint file's (name, tensor), in table order, from ``get(our name)``.
+
+    Each of our tensors is got once and dropped before the next is got, so with a lazy ``get`` (a
+    checkpoint read tensor by tensor) one of our parameters is in memory at a time; with
+    ``get=src.meta`` this yields the file's names and shapes without reading anything. Expert
+    weights go out weight by weight (every expert's ``w1``, then ``w3``, then ``w2``): the order of
+    a file does not matter to its readers."""
     for row, i in _rows(cfg):
-        ours = [state[n] for n in _names(row.ours, i)]
         if not row.experts:
-            yield from zip(_names(row.file, i), row.to_module(*ours))
+            outs = row.to_module(*(get(n) for n in _names(row.ours, i)))
+            yield from zip(_names(row.file, i), outs)
+            del outs
             continue
-        for e in range(cfg.moe.num_experts):
-            for name, t in zip(_names(row.file, i, e), ours):
-                yield name, t[e].t()
+        for j, name in enumerate(_names(row.ours, i)):
+            t = get(name)
+            for e in range(cfg.moe.num_experts):
+                yield _names(row.file, i, e)[j], t[e].t()
+            del t
 
 
 # ---------------------------------------------------------------------------------------------
 # files
 
 
-class _Tensors:
-    """Named tensors to read from (a state dict), with slices of dimension 0."""
+class TensorSource:
+    """Named tensors to read from, one at a time: ``keys()``, ``meta(name)`` (a meta tensor of its
+    shape and dtype, read from metadata only), ``get(name, lo, hi)`` (the tensor, or the slice
+    ``[lo:hi]`` of dimension 0). This one wraps a state dict; ``_Files`` reads safetensors files
+    lazily, and ``experiments.checkpoint`` reads a sharded training checkpoint parameter by
+    parameter."""
 
     def __init__(self, state: dict[str, torch.Tensor]):
         self._state = state
@@ -354,6 +369,10 @@ class _Tensors:
 
     def __contains__(self, name):
         return name in self._state
+
+    def meta(self, name: str) -> torch.Tensor:
+        t = self._state[name]
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     def _tensor(self, name: str, lo: int | None, hi: int | None) -> torch.Tensor:
         t = self._state[name]
@@ -365,15 +384,24 @@ class _Tensors:
         return self._tensor(name, lo, hi)
 
 
-class _Files(_Tensors):
-    """The tensors of ``model.safetensors`` or of the shards an index lists, read lazily (a slice of
-    dimension 0 reads only that slice)."""
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+_TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+class _Files(TensorSource):
+    """The tensors of a safetensors file, or of a directory's ``model.safetensors`` or of the shards
+    its index lists, read lazily (a slice of dimension 0 reads only that slice)."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
 
+        path = Path(path)
         index, single = path / "model.safetensors.index.json", path / "model.safetensors"
-        if index.exists():
+        if path.is_file():
+            path, files = path.parent, [path.name]
+        elif index.exists():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif single.exists():
             files = [single.name]
@@ -384,12 +412,49 @@ class _Files(_Tensors):
         handles = {f: safe_open(str(path / f), framework="pt") for f in files}
         super().__init__({k: handle for handle in handles.values() for k in handle.keys()})
 
+    def meta(self, name: str) -> torch.Tensor:
+        info = self._state[name].get_slice(name)
+        return torch.empty(info.get_shape(), dtype=_TORCH_DTYPES[info.get_dtype()], device="meta")
+
     def _tensor(self, name: str, lo: int | None, hi: int | None) -> torch.Tensor:
         handle = self._state[name]
         return handle.get_tensor(name) if lo is None else handle.get_slice(name)[lo:hi]
 
 
-def _read(files: _Tensors, cfg: TransformerConfig, lo: int, hi: int) -> dict[str, torch.Tensor]:
+def write_safetensors(path: str | os.PathLike, entries: list[tuple[str, torch.Tensor]],
+                      tensors: Iterator[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None,
+                      metadata: dict[str, str] | None = None) -> Path:
+    """Write a safetensors file tensor by tensor: ``entries`` (name, meta tensor) fix the header,
+    then each tensor is taken from ``tensors`` (the same names, in the same order), converted to
+    ``dtype`` (default: its own), written and dropped before the next is taken. Written to
+    ``<path>.tmp`` and renamed, so a file under the final name is whole. Needs no safetensors
+    package (the format is an 8-byte header length, a JSON header, the raw little-endian bytes)."""
+    path = Path(path)
+    header, offset = {}, 0
+    for name, m in entries:
+        dt = dtype or m.dtype
+        nbytes = m.numel() * dt.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(m.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = dict(metadata or {"format": "pt"})
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, m in entries:
+            got, t = next(tensors)
+            if got != name or t.shape != m.shape:
+                raise RuntimeError(f"write_safetensors: expected {name} {tuple(m.shape)}, got {got} {tuple(t.shape)}")
+            t = t.to(dtype or m.dtype).contiguous().reshape(-1)
+            f.write(memoryview(t.view(torch.uint8).numpy()))
+            del t
+    tmp.replace(path)
+    return path
+
+
+def _read(files: TensorSource, cfg: TransformerConfig, lo: int, hi: int) -> dict[str, torch.Tensor]:
     """Our state dict (experts ``[lo, hi)``) from a Mixtral checkpoint of ``cfg``, in either file
     layout; refuses a checkpoint that holds tensors the table does not know (biases, a second
     model...), naming them."""
@@ -432,22 +497,24 @@ def export_mixtral(src, out_dir: str | os.PathLike, cfg: TransformerConfig | Non
     ``MixtralForCausalLM.from_pretrained(out_dir)`` loads.
 
     ``src``: a ``Transformer`` holding every expert (one process), or its ``state_dict()``, or the path
-    of a safetensors file of our parameter names (a consolidated checkpoint); ``cfg`` is required
-    for the last two. ``dtype``: the file's dtype (default: the embedding's). Returns ``out_dir``."""
-    from safetensors.torch import load_file, save_file
+    of a safetensors file of our parameter names (a consolidated checkpoint), or a ``TensorSource``
+    (e.g. ``experiments.checkpoint``'s reader of a sharded training checkpoint); ``cfg`` is required
+    for all but the first. ``dtype``: the file's dtype (default: the embedding's). Returns ``out_dir``.
 
+    The files are written tensor by tensor: from a file or a ``TensorSource`` one of our tensors is
+    read at a time (the largest: one layer's expert weight over all experts, or the embedding)."""
     if isinstance(src, Transformer):
         cfg = src.cfg if cfg is None else cfg
-        state = src.state_dict()
+        src = TensorSource(src.state_dict())
     elif isinstance(src, (str, os.PathLike)):
-        state = load_file(str(src))
-    else:
-        state = dict(src)
+        src = _Files(Path(src))
+    elif not isinstance(src, TensorSource):
+        src = TensorSource(dict(src))
     if cfg is None:
         raise ValueError("export_mixtral needs cfg (the model's TransformerConfig) unless src is a Transformer")
     check_exportable(cfg)
-    _check_state(state, cfg)
-    dtype = state["embed.weight"].dtype if dtype is None else dtype
+    _check_state(src, cfg)
+    dtype = src.meta("embed.weight").dtype if dtype is None else dtype
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stale = sorted(p.name for p in out.glob("model*.safetensors*"))
@@ -455,23 +522,23 @@ def export_mixtral(src, out_dir: str | os.PathLike, cfg: TransformerConfig | Non
         raise FileExistsError(f"{out} already holds {stale}; export into an empty directory")
 
     # plan the shards from the shapes, so every file's name knows the count before any is written
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    names = [(n, t.numel() * itemsize) for n, t in _file_tensors(state, cfg)]
+    entries = list(_file_tensors(src.meta, cfg))
+    nbytes = {n: m.numel() * dtype.itemsize for n, m in entries}
     shards, size = [[]], 0
-    for n, nbytes in names:
-        if shards[-1] and size + nbytes > max_shard_bytes:
+    for n, m in entries:
+        if shards[-1] and size + nbytes[n] > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(n)
-        size += nbytes
+        shards[-1].append((n, m))
+        size += nbytes[n]
     mixtral_config(cfg, dtype).save_pretrained(out)
-    tensors = dict(_file_tensors(state, cfg))
     files = ["model.safetensors"] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    tensors = _file_tensors(src.get, cfg)  # one generator across the shards: each of our tensors is read once
     for fname, shard in zip(files, shards):
-        save_file({n: tensors[n].to(dtype).contiguous() for n in shard}, str(out / fname), metadata={"format": "pt"})
+        write_safetensors(out / fname, shard, tensors, dtype=dtype)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(nbytes for _, nbytes in names)},
-                 "weight_map": {n: f for f, shard in zip(files, shards) for n in shard}}
+        index = {"metadata": {"total_size": sum(nbytes.values())},
+                 "weight_map": {n: f for f, shard in zip(files, shards) for n, _ in shard}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
@@ -507,12 +574,12 @@ def import_mixtral_state_dict(state: dict[str, torch.Tensor], hf_cfg, model: Tra
     ``MixtralForCausalLM``: ``import_mixtral_state_dict(m.state_dict(), m.config)``); the tensors are
     copied, the model is not changed."""
     _check_mixtral(hf_cfg)
-    return _import(lambda: _Tensors(state), hf_cfg, model, "the state dict", max_seq_len=max_seq_len, layout=layout,
+    return _import(lambda: TensorSource(state), hf_cfg, model, "the state dict", max_seq_len=max_seq_len, layout=layout,
                    ep_group=ep_group, dp_group=dp_group, **moe_kw)
 
 
 @torch.no_grad()
-def _import(open_tensors: Callable[[], _Tensors], hf_cfg, model: Transformer | None, where: str, *, max_seq_len, layout, ep_group, dp_group,
+def _import(open_tensors: Callable[[], TensorSource], hf_cfg, model: Transformer | None, where: str, *, max_seq_len, layout, ep_group, dp_group,
             **moe_kw) -> Transformer:
     if model is None:
         model = Transformer(transformer_config(hf_cfg, max_seq_len=max_seq_len, **moe_kw), layout=layout, ep_group=ep_group, dp_group=dp_group)

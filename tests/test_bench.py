@@ -22,7 +22,9 @@ def test_measure_side_by_side_reports_ratios(per_core):
 
 def test_bench_hf_steps_every_model_on_the_same_weights():
     pytest.importorskip("transformers")
-    from experiments.bench_hf import measure, models_for
+    from contextlib import nullcontext
+
+    from experiments.bench_hf import layer_floor, make_step, measure, models_for, moe_blocks, moe_share
 
     for arch in ("mixtral", "deepseek_v3"):
         models = models_for(arch, layers=1, seq=12, sizes=(16, 8, 8, 2), vocab=50, heads=2)
@@ -33,6 +35,13 @@ def test_bench_hf_steps_every_model_on_the_same_weights():
         # the same weights and batch: the same first loss (fp32 rounding of a different op order)
         for name, loss in r["loss"].items():
             assert abs(loss - r["loss"]["stock"]) <= 1e-5 * r["loss"]["stock"], (arch, name, r["loss"])
+        # the MoE blocks' share of a step: found in both models (the patched ones are MoELayers), a fraction
+        ids = torch.randint(0, 50, (2, 12))
+        for name in ("stock", "patched"):
+            assert len(moe_blocks(models[name])) == 1, (arch, name)
+            assert 0 < moe_share(models[name], make_step(models[name], ids, nullcontext)) < 1, (arch, name)
+        floor = layer_floor(arch, 2, 12, reps=1, sizes=(16, 8, 8, 2), heads=2)
+        assert set(floor) == {"stock", "patched", "expert matmuls"} and all(t > 0 for t in floor.values())
 
 
 def test_base_step_spec_matches_the_config_tree():

@@ -185,19 +185,27 @@ def test_qwen2_shared_expert_gate_is_the_stock_parameter():
     assert layer.shared_expert_gate.weight.shape == (1, 32)
 
 
-def test_weights_are_views_of_the_stock_storage():
+def test_weights_are_the_stock_parameters_and_contiguous_expert_copies():
+    # the router (and the shared experts, checked by test_patch_matches_stock's gradients) are the
+    # stock Parameters; the routed experts are contiguous copies in our layout, and the stock fused
+    # tensors are no longer referenced by the model
+    import weakref
+
     stock = _build("mixtral")
     block = stock.model.layers[0].mlp
     gate_up, down, router = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
+    want = [w.detach().clone() for w in (gate_up, down)]
+    refs = [weakref.ref(gate_up), weakref.ref(down)]
+    del block, gate_up, down
     hf.patch(stock)
     layer = stock.model.layers[0].mlp
     assert isinstance(layer, MoELayer)
     assert layer.router.weight is router
-    F = layer.cfg.d_ff
-    assert layer.experts.w1.data_ptr() == gate_up.data_ptr()
-    assert layer.experts.w3.data_ptr() == gate_up[:, F:].data_ptr()
-    assert layer.experts.w2.data_ptr() == down.data_ptr()
-    assert torch.equal(layer.experts.w2, down.transpose(1, 2))
+    ex = layer.experts
+    assert all(w.is_contiguous() for w in (ex.w1, ex.w3, ex.w2))
+    for got, ref in zip(ours_to_fused(ex.w1, ex.w3, ex.w2), want):
+        assert torch.equal(got, ref)
+    assert all(r() is None for r in refs)  # freed with the stock block
 
 
 def test_patch_after_a_recording_forward_still_records_router_logits():

@@ -22,6 +22,7 @@ from moe import MoEConfig  # noqa: E402
 from moe.hf_mixtral import (  # noqa: E402
     TABLE, ZERO_IN_MIXTRAL, _Files, _read, export_mixtral, import_mixtral, import_mixtral_state_dict, to_mixtral_state_dict)
 from moe.model import Transformer, TransformerConfig  # noqa: E402
+from zero import checkpoint as zc  # noqa: E402
 from tests.test_train import SHORT, assemble_weights, cfg_of, check_same_training, metrics_rows, stdlib  # noqa: E402,F401 (stdlib: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
@@ -283,3 +284,67 @@ def test_init_from_names_the_mismatch(tmp_path):
     transformers.MixtralConfig(**dict(TRAIN_MX, num_local_experts=4)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"moe\.num_experts=8 \(checkpoint: num_local_experts=4\)"):
         build_model(cfg_of(*INIT_RUN, f"model.init_from={tmp_path}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m experiments.checkpoint export-hf: a training checkpoint -> a transformers Mixtral directory
+
+EXPORT_RUN = [*SHORT, "train.steps=2", "train.log_every=1", "train.eval_every=2", "train.checkpoint.every=2"]
+
+
+def test_export_hf_turns_a_training_checkpoint_into_a_mixtral_directory(tmp_path, stdlib, monkeypatch, capsys):
+    import weakref
+
+    from experiments import checkpoint as ec
+    from experiments.train import build_model, train
+
+    cfg = cfg_of(*EXPORT_RUN)
+    run = train(cfg, run_dir=tmp_path / "run", data=stdlib, keep_weights=True)
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(run["weights"], strict=False)  # the parameters; the buffers (zero biases) as built
+
+    # every tensor read from the checkpoint is dropped before the next is read: one at a time
+    reads, live = [], []
+    original = ec.CheckpointTensors._tensor
+
+    def tracked(self, name, lo, hi):
+        alive = [n for n, ref in live if ref() is not None]
+        assert not alive, f"reading {name} while {alive} are still held"
+        t = original(self, name, lo, hi)
+        reads.append(name)
+        live.append((name, weakref.ref(t)))
+        return t
+
+    monkeypatch.setattr(ec.CheckpointTensors, "_tensor", tracked)
+    assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "mx")]) == 0
+    assert "wrote a transformers Mixtral checkpoint" in capsys.readouterr().out
+    assert len(reads) == len(set(reads)) and set(run["weights"]) <= set(reads)  # each once
+    hf = _from_pretrained(tmp_path / "mx")
+    assert hf.config.num_local_experts == ours.cfg.moe.num_experts and hf.config.vocab_size == 256
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _close(ours(ids), hf(ids).logits, "export-hf checkpoint in transformers")
+
+    # one checkpoint named directly; bf16, sharded; a directory that already holds weights is refused
+    assert ec.main(["export-hf", str(zc.step_dir(tmp_path / "run" / "checkpoints", 2)), str(tmp_path / "bf16"), "--dtype", "bf16",
+                    "--max-shard-bytes", "100000"]) == 0
+    assert len(json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())["weight_map"]) > 0
+    assert len(list((tmp_path / "bf16").glob("model-*-of-*.safetensors"))) > 2
+    back = import_mixtral(tmp_path / "bf16")
+    for name, w in run["weights"].items():
+        assert torch.equal(back.state_dict()[name], w.to(torch.bfloat16).float()), name
+    assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "bf16")]) == 1
+    assert "already holds" in capsys.readouterr().err
+
+
+def test_export_hf_refuses_a_model_mixtral_cannot_compute(tmp_path, stdlib, capsys):
+    from experiments import checkpoint as ec
+    from experiments.train import train
+
+    # DeepSeek-style routing: sigmoid scores, groups, a shared expert, expert biases
+    train(cfg_of(*EXPORT_RUN, "moe=deepseek", "train.steps=1", "train.checkpoint.every=1", "train.eval_every=1"),
+          run_dir=tmp_path / "run", data=stdlib)
+    assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "mx")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: moe.score_func='sigmoid' cannot be a Mixtral model"), err
+    assert not (tmp_path / "mx").exists()
