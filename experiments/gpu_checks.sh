@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check and benchmark that needs a GPU, in one run (a lent GPU is billed by the minute):
 #   bash experiments/gpu_checks.sh OUT_DIR
-#   CHECKS="tests layer" bash experiments/gpu_checks.sh OUT_DIR     # a subset: tests layer mfu kernels
+#   CHECKS="tests layer" bash experiments/gpu_checks.sh OUT_DIR     # a subset: tests layer mfu kernels hf
 # Needs torch, triton, einops and pytest only (no hydra, no wandb); runs from the repository root.
 # Each stage has its own time limit, so one that hangs cannot take the others' results with it.
 set -u
@@ -26,6 +26,15 @@ case " $checks " in *" mfu "*)
   # compiled: model-FLOPs utilisation against the bf16 8192^3 matmul rate measured in the same run
   echo "== model=base training step MFU"
   timeout 420 $py -m experiments.bench_moe_layer --device cuda --mfu --compile --reps 10 2>&1 | tee "$out/mfu_base.log";;
+esac
+case " $checks " in *" hf "*)
+  # transformers MoE models stock against moe.hf.patch, bf16 (needs transformers, not in the default set)
+  echo "== transformers models, stock vs patched"
+  if $py -c "import transformers" 2>/dev/null; then
+    timeout 420 $py -m experiments.bench_hf --device cuda --precision bf16 --reps 5 2>&1 | tee "$out/bench_hf_gpu.log"
+  else
+    echo "transformers is not installed here: skipped" | tee "$out/bench_hf_gpu.log"
+  fi;;
 esac
 case " $checks " in *" kernels "*)
   echo "== routing kernels and fused AdamW"; timeout 240 $py -m experiments.bench_kernels --no-sweep --json "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.log";;
