@@ -271,6 +271,23 @@ def test_a_malicious_pickle_in_a_checkpoint_does_not_run(tmp_path):
     assert not marker.exists()
 
 
+def test_a_data_file_outside_the_checkpoint_is_refused(tmp_path):
+    """The metadata names the data files; one named outside the directory is not read, even when
+    it holds exactly the right bytes."""
+    engine = _trained_engine(1)
+    path = _save(engine, tmp_path / "ck", 1)
+    md = zc.SafeReader(path).read_metadata()
+    data = _first_data_file(path)
+    (tmp_path / "outside.distcp").write_bytes(data.read_bytes())
+    md.storage_data = {i: dataclasses.replace(v, relative_path="../outside.distcp") for i, v in md.storage_data.items()}
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    _rewrite_manifest(path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="names the data file '../outside.distcp' outside"):
+        zc.load(cc.build(Layout.single(), 0, False), path)
+
+
 def _plant_pickled_payload(path, marker):
     md = zc.SafeReader(path).read_metadata()
     index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn.startswith(zc.PARAM))

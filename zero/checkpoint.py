@@ -305,6 +305,9 @@ class SafeReader(FileSystemReader):
                 raise ValueError(f"checkpoint entry {req.storage_index.fqn} is not a tensor; refusing to read it")
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for name, reqs in per_file.items():
+            if Path(name).name != name:  # the metadata names files beside it, nothing elsewhere
+                raise ValueError(f"checkpoint {self.path}: its metadata names the data file {name!r} outside "
+                                 f"the checkpoint directory; refusing to read it")
             with open(Path(self.path) / name, "rb") as f:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     self._read_item(f, name, req, planner)
