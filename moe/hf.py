@@ -12,6 +12,10 @@ Supported blocks (transformers 5.x layouts), with the routing each maps to:
 | ``olmoe`` | ``OlmoeSparseMoeBlock`` | softmax over E, top-k, renormalised iff ``norm_topk_prob`` | none |
 | ``deepseek_v3`` | ``DeepseekV3MoE`` | sigmoid scores, ``e_score_correction_bias`` added for selection only (the expert bias), group-limited top-k (``n_group``/``topk_group``), renormalised iff ``norm_topk_prob``, times ``routed_scaling_factor`` | ``n_shared_experts`` fused into one ungated MLP |
 
+``unpatch(model)`` is the inverse: the stock blocks back, holding the layers' current weights in
+transformers' names and layout (experts gathered over the ep group), so ``save_pretrained`` writes
+what the stock class loads.
+
 Whole models move as Mixtral checkpoints: ``export_mixtral``/``import_mixtral`` (``moe.hf_mixtral``,
 which holds the one mapping table between our names and layouts and Mixtral's).
 
@@ -57,7 +61,7 @@ from routing_kernels.runtime import mark_expert_params
 
 from .config import MoEConfig
 from .experts import DenseFFN
-from .hf_mixtral import export_mixtral, fused_to_ours, import_mixtral  # noqa: F401 (moe.hf.export_mixtral, moe.hf.import_mixtral)
+from .hf_mixtral import export_mixtral, fused_to_ours, import_mixtral, ours_to_fused  # noqa: F401 (moe.hf.export_mixtral, moe.hf.import_mixtral)
 from .layer import MoELayer
 
 # model_type -> (block class name, router class name)
@@ -210,17 +214,85 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     for name in targets:  # one block at a time, so a block's stock experts are freed before the next is copied
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = _convert_block(model_type, getattr(parent, child), tap_cls, ep_group, dp_group)
+        block = getattr(parent, child)
+        layer = _convert_block(model_type, block, tap_cls, ep_group, dp_group)
+        layer._hf_stock_block = (model_type, type(block))  # what ``unpatch`` puts back (not state)
         setattr(parent, child, layer)
         layers.append(layer)
-    _hook_taps_if_already_hooked(model, layers)
+    _hook_if_already_hooked(model, [layer.router_logits_tap for layer in layers])
     return model
 
 
-def _hook_taps_if_already_hooked(model: nn.Module, layers) -> None:
+def unpatch(model: nn.Module) -> nn.Module:
+    """The inverse of ``patch``, in place: every patched ``MoELayer`` becomes the stock transformers
+    block again, holding the layer's current weights in the stock layout, so that ``state_dict``,
+    ``save_pretrained`` and ``from_pretrained`` see transformers' own names and layouts (a model
+    patched, trained, unpatched and saved loads into the stock class). The router, the shared
+    experts and DeepSeek-V3's score-correction bias go back as they are (the same Parameters and
+    buffer); the routed experts are copied into the fused ``gate_up_proj``/``down_proj``. Under
+    expert parallelism every rank gathers all experts from its ``ep_group`` (a collective: every
+    rank of the group calls ``unpatch``), so each rank ends with the whole stock model; returns
+    ``model``."""
+    targets = [(name, m) for name, m in model.named_modules() if hasattr(m, "_hf_stock_block")]
+    if not targets:
+        raise ValueError("moe.hf.unpatch: the model holds no layer that moe.hf.patch made (nothing to unpatch)")
+    config = _model_config(model)
+    blocks = []
+    for name, layer in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        block = _restore_block(layer, config)
+        setattr(parent, child, block)
+        blocks.append(block)
+    _hook_if_already_hooked(model, [b.gate for b in blocks])
+    return model
+
+
+def _gather_experts(t: torch.Tensor, layer: MoELayer) -> torch.Tensor:
+    """``[X, ...]`` on each rank of the layer's ep group -> ``[E, ...]``, experts in global order."""
+    group = layer.ep_group
+    if group is None or layer.experts.num_local == layer.experts.num_global:
+        return t
+    import torch.distributed as dist
+
+    R = dist.get_world_size(group)
+    if layer.experts.expert_offset != dist.get_rank(group) * layer.experts.num_local:
+        raise AssertionError("expert offsets do not follow the ep group's rank order")
+    out = torch.empty((R * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+@torch.no_grad()
+def _restore_block(layer: MoELayer, config) -> nn.Module:
+    model_type, block_cls = layer._hf_stock_block
+    with torch.device("meta"):
+        block = block_cls(config)
+    ex = layer.experts
+    gate_up, down = ours_to_fused(*(_gather_experts(w.detach(), layer) for w in (ex.w1, ex.w3, ex.w2)))
+    block.experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=ex.w1.requires_grad)
+    block.experts.down_proj = nn.Parameter(down, requires_grad=ex.w2.requires_grad)
+    block.gate.weight = layer.router.weight
+    if model_type == "deepseek_v3":
+        block.gate.e_score_correction_bias = layer.router.expert_bias
+    shared = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}.get(model_type)
+    if shared is not None:
+        mlp, ffn = getattr(block, shared), layer.shared_experts
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = ffn.w1, ffn.w3, ffn.w2
+    if model_type == "qwen2_moe":
+        block.shared_expert_gate = layer.shared_expert_gate
+    block.train(layer.training)
+    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+        if t.is_meta:
+            raise AssertionError(f"moe.hf.unpatch left {name} on the meta device")
+    return block
+
+
+def _hook_if_already_hooked(model: nn.Module, recorders: list[nn.Module]) -> None:
     # transformers installs its output-recording hooks lazily, once per (sub)model, on the first
-    # forward that records something; where that already happened, the stock routers that carried
-    # the hooks are gone, so the new taps are hooked here
+    # forward that records something; where that already happened, the modules that carried the
+    # hooks are gone (patch: the stock routers; unpatch: the taps), so the new ``recorders`` (taps
+    # or stock routers, both returning ``(logits, ...)``) are hooked here
     hooked = [m for m in model.modules() if getattr(m, "_output_capturing_hooks_installed", False)]
     if not hooked:
         return
@@ -234,8 +306,7 @@ def _hook_taps_if_already_hooked(model: nn.Module, layers) -> None:
         inside = {id(m) for m in sub.modules()}
         for spec in specs if isinstance(specs, list) else [specs]:
             index = spec.index if isinstance(spec, OutputRecorder) else 1
-            for layer in layers:
-                tap = layer.router_logits_tap
-                if id(tap) in inside and id(tap) not in done:
-                    install_output_capuring_hook(tap, "router_logits", index)
-                    done.add(id(tap))
+            for rec in recorders:
+                if id(rec) in inside and id(rec) not in done:
+                    install_output_capuring_hook(rec, "router_logits", index)
+                    done.add(id(rec))

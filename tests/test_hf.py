@@ -174,7 +174,45 @@ def _check(arch, **kw):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_patch_matches_stock(arch):
-    _check(arch)
+    stock, patched = _check(arch)
+    # and back: the trained weights in the stock modules, names and layouts
+    n_moe = len(_moe_blocks(stock))
+    hf.unpatch(patched)
+    assert not [m for m in patched.modules() if isinstance(m, MoELayer)] and len(_moe_blocks(patched)) == n_moe
+    want, got = stock.state_dict(), patched.state_dict()
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert got[name].shape == t.shape, name
+        _close(got[name], t, f"unpatched {name}")  # both took the same SGD step from gradients equal within RTOL
+    with torch.no_grad():
+        _compare(stock, patched, train=False, n_moe=n_moe)  # router logits still recorded after the swap back
+
+
+def _scaled(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # exact in fp32, and the same whatever layout holds the weight
+    return model
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_unpatch_gives_back_the_stock_model_exactly(arch, tmp_path):
+    """patch, change every weight through the patched model, unpatch: the stock model with those
+    weights, bit for bit; it saves with save_pretrained and loads into the stock class."""
+    want = _scaled(_build(arch)).state_dict()
+    model = hf.unpatch(_scaled(hf.patch(_build(arch))))
+    got = model.state_dict()
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in got.items())
+    ids = torch.randint(0, VOCAB, (B, L))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+    with pytest.raises(ValueError, match="holds no layer that moe.hf.patch made"):
+        hf.unpatch(model)
 
 
 def test_qwen2_shared_expert_gate_is_the_stock_parameter():
@@ -302,6 +340,26 @@ def _ep_rank(rank, world, archs):
                          grads={n: p.grad for n, p in model.named_parameters()},
                          shapes={n: tuple(p.shape) for n, p in model.named_parameters()})
     return out
+
+
+def _ep_unpatch_rank(rank, world, archs):
+    import torch.distributed as dist
+
+    return {arch: hf.unpatch(_scaled(hf.patch(_build(arch), ep_group=dist.group.WORLD, dp_group=dist.group.WORLD))).state_dict()
+            for arch in archs}
+
+
+def test_unpatch_under_expert_parallelism_gathers_every_expert():
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_ep_unpatch_rank, 2, EP_ARCHS)
+    for arch in EP_ARCHS:
+        want = _scaled(_build(arch)).state_dict()
+        for r in range(2):
+            got = results[r][arch]
+            assert list(got) == list(want), (arch, r)
+            for name, t in want.items():
+                assert torch.equal(got[name], t), (arch, r, name)
 
 
 def test_expert_parallel_patch_matches_stock():
