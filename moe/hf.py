@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from routing_kernels.runtime import mark_expert_params
+from routing_kernels.runtime import all_gather_into, group_rank, group_size, mark_expert_params
 
 from .config import MoEConfig
 from .experts import DenseFFN
@@ -251,15 +251,13 @@ def unpatch(model: nn.Module) -> nn.Module:
 def _gather_experts(t: torch.Tensor, layer: MoELayer) -> torch.Tensor:
     """``[X, ...]`` on each rank of the layer's ep group -> ``[E, ...]``, experts in global order."""
     group = layer.ep_group
-    if group is None or layer.experts.num_local == layer.experts.num_global:
+    R = group_size(group)
+    if R == 1:
         return t
-    import torch.distributed as dist
-
-    R = dist.get_world_size(group)
-    if layer.experts.expert_offset != dist.get_rank(group) * layer.experts.num_local:
+    if layer.experts.expert_offset != group_rank(group) * layer.experts.num_local:
         raise AssertionError("expert offsets do not follow the ep group's rank order")
     out = torch.empty((R * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    all_gather_into(out, t.contiguous(), group)
     return out
 
 

@@ -318,7 +318,7 @@ class SafeReader(FileSystemReader):
     def _read_item(self, f, name: str, req, planner) -> None:
         info = self.storage_data[req.storage_index]
         sizes, dtype = self._chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if math.prod(sizes) * itemsize != info.length:
             raise ValueError(f"checkpoint {self.path}: {req.storage_index.fqn} has {info.length} bytes in {name}, "
                              f"its metadata says {math.prod(sizes) * itemsize}")
