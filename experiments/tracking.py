@@ -127,12 +127,29 @@ class MetricsFile:
     checkpoint: they are trained again) and appends."""
 
     def __init__(self, path: Path | None, keep_until: int | None = None):
-        kept = []
-        if path is not None and keep_until is not None and Path(path).is_file():
-            kept = [l for l in Path(path).read_text().splitlines() if l.strip() and json.loads(l)["step"] <= keep_until]
-        self.f = open(path, "w") if path is not None else None
-        for line in kept:
-            self.f.write(line + "\n")
+        self.f = None
+        if path is None:
+            return
+        path = Path(path)
+        if keep_until is not None and path.is_file():
+            lines = [l for l in path.read_text().splitlines() if l.strip()]
+            try:
+                json.loads(lines[-1]) if lines else None
+            except json.JSONDecodeError:  # a row cut short by a kill: a step after the checkpoint
+                lines.pop()
+            kept = [l for l in lines if json.loads(l)["step"] <= keep_until]
+            # the kept rows replace the file in one rename: truncating it in place and writing them
+            # back would leave it empty (every earlier row lost) if this process were killed before
+            # its first flush, and the next resume would keep nothing
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.writelines(line + "\n" for line in kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self.f = open(path, "a")
+        else:
+            self.f = open(path, "w")
 
     def write(self, row: dict) -> None:
         if self.f is not None:

@@ -270,3 +270,25 @@ def test_the_preemption_signals_in_and_out_of_a_submitit_job():
     assert preemption_signals({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}) == (term, usr1)
     with pytest.raises(ValueError, match=r"SUBMITIT_PREEMPT_SIGNAL='SIGUSR2' is not a signal: expected a name without SIG"):
         preemption_signals({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_PREEMPT_SIGNAL": "SIGUSR2"})
+
+
+def test_a_kill_right_after_a_resume_loses_no_metrics_row(tmp_path):
+    """A resumed run keeps the rows up to its checkpoint and drops the later ones. A kill before the
+    resumed run's first row is flushed must leave those kept rows on disk (the kill seed 178465144
+    found this: killed in the save of step 8, then in step 7 of the resumed run, the log kept only
+    steps 7 and 8). ``os._exit`` skips every Python-level flush, like a SIGKILL."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)) + '{"step": 9, "lo')
+    code = ("import os, sys; from experiments.tracking import MetricsFile; "
+            "m = MetricsFile(sys.argv[1], keep_until=6); os._exit(9)")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 9, p.stderr
+    assert [r["step"] for r in metric_rows(tmp_path)] == list(range(1, 7))
+    # and the next resume appends after them (the row cut short by the kill was dropped)
+    from experiments.tracking import MetricsFile
+
+    m = MetricsFile(path, keep_until=6)
+    m.write({"step": 7, "loss": 0.5})
+    m.close()
+    assert [r["step"] for r in metric_rows(tmp_path)] == list(range(1, 8))
