@@ -505,7 +505,8 @@ def _zero_rank(rank, world, arch, out_dir):
     import zero
 
     model = _build(arch)
-    layout = zero.Layout.build(ep=2, num_experts=model.config.num_experts)
+    num_experts = getattr(model.config, "num_experts", None) or model.config.n_routed_experts
+    layout = zero.Layout.build(ep=2, num_experts=num_experts)
     hf.patch(model, ep_group=layout.ep_group, dp_group=layout.dp_group)
     engine = zero.ZeroEngine(model, layout, stage=3, blocks=list(model.model.layers), optimizer=_zero_optimizer)
     ids = _zero_batch()[rank : rank + 1]  # this rank's share of the global batch
@@ -530,7 +531,8 @@ def _zero_rank(rank, world, arch, out_dir):
     return dict(losses=losses, grads=grads, shapes={n: tuple(t.shape) for n, t in trained.items()})
 
 
-def test_patched_model_trains_under_zero3_with_expert_parallelism_like_one_process_and_saves_pretrained(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])  # a gated shared expert; the correction bias, a buffer
+def test_patched_model_trains_under_zero3_with_expert_parallelism_like_one_process_and_saves_pretrained(arch, tmp_path):
     """The whole road a user takes: patch a transformers model with ep=2, train it under ZeRO-3 on 2
     gloo ranks (each rank one sequence of the global batch), gather, unpatch, save_pretrained; against
     the stock model trained in one process on the whole batch. Every step's loss and every gradient
@@ -538,7 +540,6 @@ def test_patched_model_trains_under_zero3_with_expert_parallelism_like_one_proce
     saved model's weights within 1e-5 of the reference's (SGD: rounding of the gradients only)."""
     from tests.dist_utils import run_distributed
 
-    arch = "qwen2_moe"  # a shared expert with its sigmoid gate beside the routed experts
     results = run_distributed(_zero_rank, 2, arch, str(tmp_path))
     stock = _build(arch)
     opt = torch.optim.SGD(stock.parameters(), lr=ZERO_LR, momentum=0.9)
