@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from zero.checkpoint import write_durably
+
 try:
     from hydra.core.hydra_config import HydraConfig
     from hydra.experimental.callback import Callback
@@ -141,12 +143,7 @@ class MetricsFile:
             # the kept rows replace the file in one rename: truncating it in place and writing them
             # back would leave it empty (every earlier row lost) if this process were killed before
             # its first flush, and the next resume would keep nothing
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w") as f:
-                f.writelines(line + "\n" for line in kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_durably(path, "".join(line + "\n" for line in kept).encode())
             self.f = open(path, "a")
         else:
             self.f = open(path, "w")
