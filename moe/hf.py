@@ -298,7 +298,9 @@ def _hook_if_already_hooked(model: nn.Module, recorders: list[nn.Module]) -> Non
 
     done = set()
     for sub in hooked:
-        specs = (_CAN_RECORD_REGISTRY.get(sub) or {}).get("router_logits")
+        # keyed by str(class) in every 5.x (5.24 wraps the dict in a class whose .get takes the model;
+        # plain dict.get with the key works on both)
+        specs = (dict.get(_CAN_RECORD_REGISTRY, str(sub.__class__)) or {}).get("router_logits")
         if specs is None:
             continue
         inside = {id(m) for m in sub.modules()}
