@@ -120,9 +120,13 @@ def _stock_grad(name: str, patched: dict[str, torch.nn.Parameter]) -> tuple[list
     raise KeyError(f"no mapping for the stock parameter {name}")
 
 
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
 def _close(a, b, what):
     assert a is not None and b is not None, what
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    err = _rel(a, b)
     assert err <= RTOL, f"{what}: relative error {err:.3g} > {RTOL}"
 
 
@@ -133,16 +137,23 @@ def _compare(stock, patched, train: bool, n_moe: int):
     patched.train(train)
     a = stock(ids, labels=ids)
     b = patched(ids, labels=ids)
-    _close(b.logits, a.logits, "logits")
-    _close(b.loss, a.loss, "loss")
-    if getattr(a, "aux_loss", None) is not None:
-        _close(b.aux_loss, a.aux_loss, "aux_loss")
-    if not hasattr(a, "router_logits"):  # DeepSeek-V3 in transformers 5.17 returns none
-        return a, b
-    assert len(b.router_logits) == len(a.router_logits) == n_moe
-    for i, (ra, rb) in enumerate(zip(a.router_logits, b.router_logits)):
-        _close(rb, ra, f"router_logits[{i}]")
+    _same_outputs(a, b, n_moe)
     return a, b
+
+
+def _same_outputs(a, b, n_moe: int | None, what: str = ""):
+    """``b``'s logits, loss, aux loss and router logits equal ``a``'s (``n_moe``: how many router
+    logits each holds; None: not checked)."""
+    _close(b.logits, a.logits, f"{what}logits")
+    _close(b.loss, a.loss, f"{what}loss")
+    if getattr(a, "aux_loss", None) is not None:  # DeepSeek-V3 computes no balancing loss
+        _close(b.aux_loss, a.aux_loss, f"{what}aux_loss")
+    if not hasattr(a, "router_logits"):  # DeepSeek-V3 in transformers 5.17 returns none
+        return
+    if n_moe is not None:
+        assert len(b.router_logits) == len(a.router_logits) == n_moe
+    for i, (ra, rb) in enumerate(zip(a.router_logits, b.router_logits)):
+        _close(rb, ra, f"{what}router_logits[{i}]")
 
 
 def _check(arch, **kw):
@@ -248,18 +259,10 @@ def test_patched_model_compiles_with_no_graph_break_of_its_own_and_matches_eager
         runs.append((out, {n: p.grad for n, p in params.named_parameters()}))
     torch._dynamo.reset()
     (a, grads_a), (b, grads_b) = runs
-    for name in ("logits", "loss", "aux_loss"):
-        if name != "aux_loss" or getattr(a, "aux_loss", None) is not None:  # DeepSeek-V3 computes no balancing loss
-            _close(getattr(b, name), getattr(a, name), f"compiled {name}")
-    for i, (ra, rb) in enumerate(zip(getattr(a, "router_logits", ()), getattr(b, "router_logits", ()))):
-        _close(rb, ra, f"compiled router_logits[{i}]")
+    _same_outputs(a, b, None, "compiled ")
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         _close(grads_b[name], grads_a[name], f"compiled grad of {name}")
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
