@@ -1,7 +1,7 @@
 """Benchmark: a training step of transformers MoE models, stock against ``moe.hf.patch``ed, and for
 Mixtral also our own ``moe.model.Transformer`` with the same weights, side by side in one run.
 
-    python -m experiments.bench_hf [--archs mixtral qwen3_moe olmoe deepseek_v3] [--reps 5]
+    python -m experiments.bench_hf [--archs mixtral qwen3_moe olmoe deepseek_v3] [--reps 10] [--warmup 4]
         [--batch 8] [--seq 512] [--layers 2] [--device cpu|cuda] [--precision fp32|bf16]
         [--threads N] [--cpu-time] [--moe-share] [--layer-floor]
 
@@ -54,6 +54,10 @@ SIZES = {
     "deepseek_v3": (512, 256, 64, 6),
 }
 VOCAB, HEADS = 1024, 8
+# untimed steps before the timed ones. The stock models' first steps are slow while the C heap
+# settles (measured, 2 threads: DeepSeek-V3's stock step 3.6, 2.2, 2.0 s, then 1.8-1.9 s from the
+# fourth on; the patched one is steady from its second), so fewer would inflate the ratios
+WARMUP = 4
 
 
 def hf_model(arch: str, D: int, F: int, E: int, K: int, layers: int, seq: int, vocab: int = VOCAB, heads: int = HEADS):
@@ -135,11 +139,16 @@ def make_step(model, ids_BL, autocast):
     return step
 
 
-def measure(models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock=time.perf_counter) -> dict:
+def measure(models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock=time.perf_counter, warmup: int = WARMUP) -> dict:
     """'time': name -> median step seconds; 'loss': name -> first-step loss; 'ratios': name -> stock
-    time / name's time, the median over repetitions of each repetition's ratio."""
+    time / name's time, the median over repetitions of each repetition's ratio; 'spread': name ->
+    (lowest, highest) of those ratios. ``warmup`` untimed steps of every model come first (at least
+    one: it gives the first-step loss)."""
     steps = {name: make_step(m.to(device).train(), ids_BL, autocast) for name, m in models.items()}
-    first = {name: float(step()) for name, step in steps.items()}  # also the warm-up
+    first = {name: float(step()) for name, step in steps.items()}
+    for _ in range(warmup - 1):
+        for step in steps.values():
+            step()
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name, step in steps.items():
@@ -148,8 +157,9 @@ def measure(models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock
             step()
             _sync(device)
             times[name].append(clock() - t0)
-    ratios = {name: statistics.median(s / t for s, t in zip(times["stock"], times[name])) for name in steps if name != "stock"}
-    return {"time": {n: statistics.median(t) for n, t in times.items()}, "loss": first, "ratios": ratios}
+    per_rep = {name: [s / t for s, t in zip(times["stock"], times[name])] for name in steps if name != "stock"}
+    return {"time": {n: statistics.median(t) for n, t in times.items()}, "loss": first,
+            "ratios": {n: statistics.median(r) for n, r in per_rep.items()}, "spread": {n: (min(r), max(r)) for n, r in per_rep.items()}}
 
 
 def moe_blocks(model) -> list:
@@ -239,11 +249,11 @@ def layer_floor(arch: str, batch: int, seq: int, reps: int, clock=time.perf_coun
 
     runs = {"stock": fwd_bwd(stock), "patched": fwd_bwd(patched), "expert matmuls": floor}
     times = {name: [] for name in runs}
-    for rep in range(reps + 1):
+    for rep in range(WARMUP + reps):
         for name, run in runs.items():
             t0 = clock()
             run()
-            if rep:  # the first is the warm-up
+            if rep >= WARMUP:
                 times[name].append(clock() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -251,7 +261,8 @@ def layer_floor(arch: str, batch: int, seq: int, reps: int, clock=time.perf_coun
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--archs", nargs="+", default=list(SIZES))
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps of every model before the timed ones (at least 1)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
@@ -274,19 +285,21 @@ def main(argv=None):
 
     clock = "CPU time" if args.cpu_time else "wall-clock"
     print(f"device {device}, {args.precision}, {torch.get_num_threads()} threads, {clock}, batch {args.batch} x {args.seq} tokens, "
-          f"{args.layers} layers, vocabulary {VOCAB}, {args.reps} repetitions")
+          f"{args.layers} layers, vocabulary {VOCAB}, {args.reps} repetitions after {max(1, args.warmup)} untimed steps; "
+          "ratios: median of the repetitions' (lowest-highest)")
     print("| arch | D, F, E, k | stock s/step | patched s/step | ours s/step | stock / patched | stock / ours | first-step losses (stock, patched, ours) |")
     print("|---|---|---|---|---|---|---|---|")
     for arch in args.archs:
         models = models_for(arch, args.layers, args.seq)
         torch.manual_seed(1)
         ids_BL = torch.randint(0, VOCAB, (args.batch, args.seq), device=device)
-        r = measure(models, ids_BL, args.reps, device, autocast, time.process_time if args.cpu_time else time.perf_counter)
-        t, ratio, loss = r["time"], r["ratios"], r["loss"]
-        cell = lambda d, k, fmt: format(d[k], fmt) if k in d else "-"  # noqa: E731
+        r = measure(models, ids_BL, args.reps, device, autocast, time.process_time if args.cpu_time else time.perf_counter, max(1, args.warmup))
+        t, loss = r["time"], r["loss"]
+        ratio = {n: f"{r['ratios'][n]:.2f}x ({lo:.2f}-{hi:.2f})" for n, (lo, hi) in r["spread"].items()}
+        cell = lambda d, k, fmt="": format(d[k], fmt) if k in d else "-"  # noqa: E731
         impl = getattr(models["stock"].config, "_experts_implementation", None)  # transformers' own choice for the stock experts
         print(f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
-              f"{ratio['patched']:.2f}x | {cell(ratio, 'ours', '.2f')}{'x' if 'ours' in ratio else ''} | "
+              f"{ratio['patched']} | {cell(ratio, 'ours')} | "
               f"{', '.join(f'{loss[n]:.5f}' for n in loss)} |", flush=True)
         if args.moe_share:
             shares = {n: moe_share(models[n], make_step(models[n], ids_BL, autocast), clock=time.process_time if args.cpu_time else time.perf_counter)

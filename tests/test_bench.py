@@ -31,7 +31,8 @@ def test_bench_hf_steps_every_model_on_the_same_weights():
         assert set(models) == ({"stock", "patched", "ours"} if arch == "mixtral" else {"stock", "patched"})
         torch.manual_seed(1)
         r = measure(models, torch.randint(0, 50, (2, 12)), reps=1, device=torch.device("cpu"))
-        assert all(t > 0 for t in r["time"].values()) and set(r["ratios"]) == set(models) - {"stock"}
+        assert all(t > 0 for t in r["time"].values()) and set(r["ratios"]) == set(models) - {"stock"} == set(r["spread"])
+        assert all(lo <= r["ratios"][n] <= hi for n, (lo, hi) in r["spread"].items())
         # the same weights and batch: the same first loss (fp32 rounding of a different op order)
         for name, loss in r["loss"].items():
             assert abs(loss - r["loss"]["stock"]) <= 1e-5 * r["loss"]["stock"], (arch, name, r["loss"])
