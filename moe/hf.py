@@ -14,7 +14,9 @@ Supported blocks (transformers 5.x layouts), with the routing each maps to:
 
 ``unpatch(model)`` is the inverse: the stock blocks back, holding the layers' current weights in
 transformers' names and layout (experts gathered over the ep group), so ``save_pretrained`` writes
-what the stock class loads.
+what the stock class loads. A model still patched saves the same files: ``patch`` gives it a
+``save_pretrained`` that writes ``stock_state_dict(model)`` (the state dict ``unpatch`` would give,
+computed with the model left patched); refused under expert parallelism, where ranks hold slices.
 
 Whole models move as Mixtral checkpoints: ``export_mixtral``/``import_mixtral`` (``moe.hf_mixtral``,
 which holds the one mapping table between our names and layouts and Mixtral's).
@@ -90,6 +92,12 @@ class _RouterLogitsTap(nn.Module):
     def forward(self, logits_TE):
         return (logits_TE, None, None)
 
+    def __reduce__(self):
+        # the class is made at run time (``_tap_class``), so pickle cannot find it by name: a pickled
+        # (or deep-copied) tap is rebuilt from the stock router class, which it can
+        router_cls = next(c for c in type(self).__bases__ if c is not _RouterLogitsTap)
+        return _new_tap, (router_cls,), self.__dict__
+
 
 _TAP_CLASSES: dict[type, type] = {}
 
@@ -99,6 +107,10 @@ def _tap_class(router_cls: type) -> type:
         _TAP_CLASSES[router_cls] = type(f"{router_cls.__name__}LogitsTap", (_RouterLogitsTap, router_cls),
                                         {"__init__": _RouterLogitsTap.__init__, "forward": _RouterLogitsTap.forward})
     return _TAP_CLASSES[router_cls]
+
+
+def _new_tap(router_cls: type) -> _RouterLogitsTap:
+    return _tap_class(router_cls).__new__(_tap_class(router_cls))
 
 
 def _require(cond: bool, field: str, value, why: str) -> None:
@@ -220,6 +232,7 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
         setattr(parent, child, layer)
         layers.append(layer)
     _hook_if_already_hooked(model, [layer.router_logits_tap for layer in layers])
+    model.save_pretrained = _SavePretrained(model)  # writes the stock layout
     return model
 
 
@@ -233,7 +246,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     expert parallelism every rank gathers all experts from its ``ep_group`` (a collective: every
     rank of the group calls ``unpatch``), so each rank ends with the whole stock model; returns
     ``model``."""
-    targets = [(name, m) for name, m in model.named_modules() if hasattr(m, "_hf_stock_block")]
+    targets = _patched_layers(model)
     if not targets:
         raise ValueError("moe.hf.unpatch: the model holds no layer that moe.hf.patch made (nothing to unpatch)")
     config = _model_config(model)
@@ -245,6 +258,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         setattr(parent, child, block)
         blocks.append(block)
     _hook_if_already_hooked(model, [b.gate for b in blocks])
+    if isinstance(vars(model).get("save_pretrained"), _SavePretrained):
+        del model.save_pretrained
     return model
 
 
@@ -261,15 +276,13 @@ def _gather_experts(t: torch.Tensor, layer: MoELayer) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
-def _restore_block(layer: MoELayer, config) -> nn.Module:
+def _stock_block(layer: MoELayer, config) -> nn.Module:
+    """The stock block of a patched layer, holding the layer's router, score-correction bias and
+    shared experts (the same Parameters, buffer and modules), with its routed experts still on the
+    meta device: ``_restore_block`` fills them, ``stock_state_dict`` names through it."""
     model_type, block_cls = layer._hf_stock_block
     with torch.device("meta"):
         block = block_cls(config)
-    ex = layer.experts
-    gate_up, down = ours_to_fused(*(_gather_experts(w.detach(), layer) for w in (ex.w1, ex.w3, ex.w2)))
-    block.experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=ex.w1.requires_grad)
-    block.experts.down_proj = nn.Parameter(down, requires_grad=ex.w2.requires_grad)
     block.gate.weight = layer.router.weight
     if model_type == "deepseek_v3":
         block.gate.e_score_correction_bias = layer.router.expert_bias
@@ -280,10 +293,112 @@ def _restore_block(layer: MoELayer, config) -> nn.Module:
     if model_type == "qwen2_moe":
         block.shared_expert_gate = layer.shared_expert_gate
     block.train(layer.training)
+    return block
+
+
+@torch.no_grad()
+def _restore_block(layer: MoELayer, config) -> nn.Module:
+    block = _stock_block(layer, config)
+    ex = layer.experts
+    gate_up, down = ours_to_fused(*(_gather_experts(w.detach(), layer) for w in (ex.w1, ex.w3, ex.w2)))
+    block.experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=ex.w1.requires_grad)
+    block.experts.down_proj = nn.Parameter(down, requires_grad=ex.w2.requires_grad)
     for name, t in list(block.named_parameters()) + list(block.named_buffers()):
         if t.is_meta:
             raise AssertionError(f"moe.hf.unpatch left {name} on the meta device")
     return block
+
+
+def _patched_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "_hf_stock_block")]
+
+
+# the layer's state-dict entries that the stock block has no place for: the router's expert bias
+# of a model without one (zeros, never trained: only DeepSeek-V3 maps it, to e_score_correction_bias)
+_NOT_STOCK = ("router.expert_bias",)
+
+
+@torch.no_grad()
+def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
+    """A patched model's state dict in transformers' names and layouts, without unpatching it: what
+    ``unpatch(model).state_dict()`` would return (the same keys, in the same order, equal tensors),
+    while the model stays patched and its optimizer's Parameters stay its own. ``state_dict``: one
+    of the patched model's own (``model.state_dict()`` by default, e.g. a trainer's copy) to
+    convert instead. Entries outside the patched layers pass through as they are; the routed
+    experts are fused into ``gate_up_proj``/``down_proj`` (new tensors; everything else is the
+    given tensor). Under expert parallelism the default gathers every expert over the layers' ep
+    group (a collective: every rank of the group calls it); a given state dict must hold every
+    expert (its ``experts.w1`` of ``[E, D, F]``), else it is refused."""
+    config = _model_config(model)
+    layers = _patched_layers(model)
+    if not layers:
+        raise ValueError("moe.hf.stock_state_dict: the model holds no layer that moe.hf.patch made (its state_dict is already stock)")
+    given = state_dict is not None
+    sd = model.state_dict() if state_dict is None else state_dict
+    converted = {}  # a patched layer's first key -> that layer's entries in stock names, in the stock block's order
+    replaced = set()  # every key of a patched layer
+    for name, layer in layers:
+        p = f"{name}." if name else ""
+        mine = layer.state_dict(keep_vars=True)  # the layer's own entries, by local name
+        missing = [p + k for k in mine if p + k not in sd]
+        if missing:
+            raise ValueError(f"moe.hf.stock_state_dict: the state dict has no {missing[0]!r}: expected one of the patched model's")
+        ex = layer.experts
+        experts = [sd[f"{p}experts.{w}"] for w in ("w1", "w3", "w2")]
+        if experts[0].shape[0] != ex.num_global:
+            if given:
+                raise ValueError(f"moe.hf.stock_state_dict: {p}experts.w1 holds {experts[0].shape[0]} experts of {ex.num_global} "
+                                 "(expert parallelism): pass no state_dict, and every rank of the ep group gathers them")
+            experts = [_gather_experts(w, layer) for w in experts]
+        fused = dict(zip(("experts.gate_up_proj", "experts.down_proj"), ours_to_fused(*experts)))
+        # everything but the routed experts is named through the stock block that holds the same tensors
+        local = {id(t): k for k, t in mine.items()}
+        entries, used = {}, {"experts.w1", "experts.w3", "experts.w2"}
+        for k, t in _stock_block(layer, config).state_dict(keep_vars=True).items():
+            if k in fused:
+                entries[p + k] = fused[k]
+            elif id(t) in local:
+                entries[p + k] = sd[p + local[id(t)]]
+                used.add(local[id(t)])
+            else:
+                raise AssertionError(f"moe.hf.stock_state_dict: the stock block's {k} has no counterpart in the patched layer")
+        unknown = [k for k in mine if k not in used and k not in _NOT_STOCK]
+        if unknown:
+            raise AssertionError(f"moe.hf.stock_state_dict: the patched layer's {unknown} have no stock name")
+        converted[p + next(iter(mine))] = entries
+        replaced.update(p + k for k in mine)
+    out = {}
+    for k, v in sd.items():
+        if k in converted:
+            out.update(converted[k])
+        elif k not in replaced:
+            out[k] = v
+    return out
+
+
+class _SavePretrained:
+    """``save_pretrained`` of a patched model, which ``patch`` sets on the model it patched (an
+    instance attribute, as accelerate's hooks replace ``forward``) and ``unpatch`` removes: the
+    stock class's ``save_pretrained`` over ``stock_state_dict``, so the directory holds
+    transformers' names and layouts and the stock ``from_pretrained`` loads it. Refused, before
+    anything is written or exchanged, under expert parallelism. An object holding the model rather
+    than a bound method, so a deep copy or an unpickled model saves itself (a bound method
+    unpickles as the class's own ``save_pretrained``, which would write the patched names)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
+        model = self.model
+        layers = _patched_layers(model)
+        if layers:
+            R = max(group_size(layer.ep_group) for _, layer in layers)
+            if R > 1:
+                raise ValueError(f"moe.hf: save_pretrained of a model patched with expert parallelism (ep={R}): each rank "
+                                 f"holds 1/{R} of the experts. Call moe.hf.unpatch(model) on every rank of the ep group (it "
+                                 "gathers them), then save_pretrained on one rank")
+            state_dict = stock_state_dict(model, state_dict)
+        return type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict, **kwargs)
 
 
 def _hook_if_already_hooked(model: nn.Module, recorders: list[nn.Module]) -> None:

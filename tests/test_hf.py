@@ -226,6 +226,62 @@ def test_unpatch_gives_back_the_stock_model_exactly(arch, tmp_path):
         assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
     with pytest.raises(ValueError, match="holds no layer that moe.hf.patch made"):
         hf.unpatch(model)
+    assert "save_pretrained" not in vars(model)  # the stock class's own again
+    with pytest.raises(ValueError, match="holds no layer that moe.hf.patch made"):
+        hf.stock_state_dict(model)
+
+
+def _load_stock(cls, path):
+    model, info = cls.from_pretrained(path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    return model.state_dict()
+
+
+def _assert_same_state(got: dict, want: dict, what):
+    assert list(got) == list(want), what
+    for name, t in want.items():
+        assert torch.equal(got[name], t), (what, name)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_patched_model_saves_pretrained_in_the_stock_layout(arch, tmp_path):
+    """save_pretrained of a model still patched writes what unpatch then save_pretrained would: the
+    stock class loads it with no missing, unexpected or mismatched key, bit for bit. So does a
+    trainer's call with state_dict=model.state_dict() (our names). The model stays patched, with the
+    same Parameters (an optimizer built over them goes on), and a deep copy saves its own weights."""
+    model = _scaled(hf.patch(_build(arch)))
+    params = [id(p) for p in model.parameters()]
+    want = hf.unpatch(copy.deepcopy(model)).state_dict()
+    _assert_same_state(hf.stock_state_dict(model), want, "stock_state_dict")
+    model.save_pretrained(tmp_path / "plain")
+    _assert_same_state(_load_stock(type(model), tmp_path / "plain"), want, "save_pretrained")
+    model.save_pretrained(tmp_path / "trainer", state_dict=model.state_dict())
+    _assert_same_state(_load_stock(type(model), tmp_path / "trainer"), want, "save_pretrained(state_dict=...)")
+    assert [id(p) for p in model.parameters()] == params and any(isinstance(m, MoELayer) for m in model.modules())
+
+    # a deep copy and an unpickled model save their own weights
+    twin = copy.deepcopy(model)
+    torch.save(model, tmp_path / "model.pt")
+    thawed = torch.load(tmp_path / "model.pt", weights_only=False)
+    ids = torch.randint(0, VOCAB, (B, L))
+    with torch.no_grad():  # still patched, the router logits still recorded
+        out, back = model.eval()(ids, output_router_logits=True), thawed.eval()(ids, output_router_logits=True)
+    assert torch.equal(out.logits, back.logits)
+    # transformers 5.17's DeepSeek-V3 returns no router logits
+    recorded, again = (getattr(o, "router_logits", None) or () for o in (out, back))
+    assert len(again) == len(recorded) and (len(recorded) > 0 or model.config.model_type == "deepseek_v3")
+    assert all(torch.equal(a, b) for a, b in zip(recorded, again))
+    for i, other in enumerate((twin, thawed)):
+        with torch.no_grad():
+            next(m for m in other.modules() if isinstance(m, MoELayer)).experts.w1.add_(1.0)
+        other.save_pretrained(tmp_path / f"other{i}")
+        got = _load_stock(type(model), tmp_path / f"other{i}")
+        _assert_same_state(got, hf.stock_state_dict(other), ("a copy", i))
+        assert any(not torch.equal(got[k], want[k]) for k in want if k.endswith("gate_up_proj"))
+
+    broken = {k: v for k, v in model.state_dict().items() if not k.endswith("router.weight")}
+    with pytest.raises(ValueError, match=r"has no 'model\.layers\.\d\.mlp\.router\.weight'"):
+        hf.stock_state_dict(model, broken)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe_norm", "deepseek_v3"])  # a gated shared expert; groups, bias, scaling
@@ -429,24 +485,36 @@ def _ep_rank(rank, world, archs):
     return out
 
 
-def _ep_unpatch_rank(rank, world, archs):
+def _ep_unpatch_rank(rank, world, archs, tmp):
+    import os
+
     import torch.distributed as dist
 
-    return {arch: hf.unpatch(_scaled(hf.patch(_build(arch), ep_group=dist.group.WORLD, dp_group=dist.group.WORLD))).state_dict()
-            for arch in archs}
+    out = {}
+    for arch in archs:
+        model = _scaled(hf.patch(_build(arch), ep_group=dist.group.WORLD, dp_group=dist.group.WORLD))
+        # refused before anything is written or exchanged: rank 1 never calls it, and rank 0 must not hang
+        if rank == 0:
+            with pytest.raises(ValueError, match=r"expert parallelism \(ep=2\).*moe\.hf\.unpatch\(model\) on every rank"):
+                model.save_pretrained(os.path.join(tmp, arch))
+            assert not os.path.exists(os.path.join(tmp, arch))
+        with pytest.raises(ValueError, match=r"experts\.w1 holds \d+ experts of \d+ \(expert parallelism\)"):
+            hf.stock_state_dict(model, model.state_dict())
+        gathered = hf.stock_state_dict(model)  # a collective, the model left patched
+        out[arch] = (gathered, hf.unpatch(model).state_dict())
+    return out
 
 
-def test_unpatch_under_expert_parallelism_gathers_every_expert():
+def test_unpatch_under_expert_parallelism_gathers_every_expert(tmp_path):
     from tests.dist_utils import run_distributed
 
-    results = run_distributed(_ep_unpatch_rank, 2, EP_ARCHS)
+    results = run_distributed(_ep_unpatch_rank, 2, EP_ARCHS, str(tmp_path))
     for arch in EP_ARCHS:
         want = _scaled(_build(arch)).state_dict()
         for r in range(2):
-            got = results[r][arch]
-            assert list(got) == list(want), (arch, r)
-            for name, t in want.items():
-                assert torch.equal(got[name], t), (arch, r, name)
+            gathered, unpatched = results[r][arch]
+            _assert_same_state(unpatched, want, (arch, r, "unpatch"))
+            _assert_same_state(gathered, want, (arch, r, "stock_state_dict"))
 
 
 def test_expert_parallel_patch_matches_stock():
