@@ -284,6 +284,38 @@ def test_a_patched_model_saves_pretrained_in_the_stock_layout(arch, tmp_path):
         hf.stock_state_dict(model, broken)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_transformers_trainer_trains_a_patched_model_like_the_stock_one_and_saves_it_stock(arch, tmp_path):
+    """transformers' Trainer, unchanged, on a patched model and on the stock one (same weights, data
+    and seed; SGD, whose update is the gradient itself, so rounding stays rounding): the same
+    logged losses (the balancing loss included), and ``save_model`` of the patched model writes a
+    directory the stock class loads with no missing or unexpected key, holding the stock run's
+    weights. The Trainer hands ``save_pretrained`` the model's own ``state_dict()``, in the patched
+    names, which the patched model's ``save_pretrained`` converts."""
+    pytest.importorskip("accelerate")
+    stock = _build(arch)
+    patched = hf.patch(copy.deepcopy(stock))
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (8, L))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=3,
+                                          learning_rate=0.05, optim="sgd", use_cpu=True, report_to=[], save_strategy="no",
+                                          logging_steps=1, dataloader_num_workers=0, seed=0, disable_tqdm=True)
+    losses = {}
+    for name, model in (("stock", stock), ("patched", patched)):
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        losses[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        trainer.save_model(str(tmp_path / name))
+    assert len(losses["stock"]) == 3 and losses["patched"] == pytest.approx(losses["stock"], rel=RTOL)
+    assert any(isinstance(m, MoELayer) for m in patched.modules())
+    want = _load_stock(type(stock), tmp_path / "stock")
+    got = _load_stock(type(stock), tmp_path / "patched")
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert _rel(got[name], t) <= RTOL, name
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe_norm", "deepseek_v3"])  # a gated shared expert; groups, bias, scaling
 def test_patched_model_compiles_with_no_graph_break_of_its_own_and_matches_eager(arch):
     """``torch.compile`` of a patched model, as a user would call it: the patch adds no graph break
