@@ -382,8 +382,8 @@ class _SavePretrained:
     stock class's ``save_pretrained`` over ``stock_state_dict``, so the directory holds
     transformers' names and layouts and the stock ``from_pretrained`` loads it. Refused, before
     anything is written or exchanged, under expert parallelism. An object holding the model rather
-    than a bound method, so a deep copy or an unpickled model saves itself (a bound method
-    unpickles as the class's own ``save_pretrained``, which would write the patched names)."""
+    than a bound method: a deep copy or an unpickled model gets its own (a bound method pickles as
+    a lookup of its function's name on the model, which fails when the model is unpickled)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
