@@ -16,7 +16,9 @@ Supported blocks (transformers 5.x layouts), with the routing each maps to:
 transformers' names and layout (experts gathered over the ep group), so ``save_pretrained`` writes
 what the stock class loads. A model still patched saves the same files: ``patch`` gives it a
 ``save_pretrained`` that writes ``stock_state_dict(model)`` (the state dict ``unpatch`` would give,
-computed with the model left patched); refused under expert parallelism, where ranks hold slices.
+computed with the model left patched). Under expert parallelism, where ranks hold slices of the
+experts, that is refused; ``moe.hf.save_pretrained(model, dir)``, called on every rank, gathers
+them and writes from rank 0.
 
 Whole models move as Mixtral checkpoints: ``export_mixtral``/``import_mixtral`` (``moe.hf_mixtral``,
 which holds the one mapping table between our names and layouts and Mixtral's).
@@ -323,20 +325,22 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
     """A patched model's state dict in transformers' names and layouts, without unpatching it: what
     ``unpatch(model).state_dict()`` would return (the same keys, in the same order, equal tensors),
     while the model stays patched and its optimizer's Parameters stay its own. ``state_dict``: one
-    of the patched model's own (``model.state_dict()`` by default, e.g. a trainer's copy) to
-    convert instead. Entries outside the patched layers pass through as they are; the routed
-    experts are fused into ``gate_up_proj``/``down_proj`` (new tensors; everything else is the
-    given tensor). Under expert parallelism the default gathers every expert over the layers' ep
-    group (a collective: every rank of the group calls it); a given state dict must hold every
-    expert (its ``experts.w1`` of ``[E, D, F]``), else it is refused."""
+    of the patched model's own to convert instead (``model.state_dict()`` by default; a trainer's
+    copy, or under ZeRO-3 ``model.state_dict() | engine.full_parameters()``). Entries outside the
+    patched layers pass through as they are; the routed experts are fused into
+    ``gate_up_proj``/``down_proj`` (new tensors; everything else is the given tensor).
+
+    Under expert parallelism the state dict holds this rank's slice of each layer's experts (or all
+    of them): the slices are gathered over the layers' ep group, a collective that every rank of
+    the group calls, each with its own state dict of the same form. The state dict is checked
+    whole (every key, every expert shape) before the first gather, so a bad one is refused on the
+    rank that holds it without leaving the others waiting."""
     config = _model_config(model)
     layers = _patched_layers(model)
     if not layers:
         raise ValueError("moe.hf.stock_state_dict: the model holds no layer that moe.hf.patch made (its state_dict is already stock)")
-    given = state_dict is not None
     sd = model.state_dict() if state_dict is None else state_dict
-    converted = {}  # a patched layer's first key -> that layer's entries in stock names, in the stock block's order
-    replaced = set()  # every key of a patched layer
+    plan = []  # (prefix, layer, its own entries by local name, its w1/w3/w2 as given, whether to gather them)
     for name, layer in layers:
         p = f"{name}." if name else ""
         mine = layer.state_dict(keep_vars=True)  # the layer's own entries, by local name
@@ -344,11 +348,22 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
         if missing:
             raise ValueError(f"moe.hf.stock_state_dict: the state dict has no {missing[0]!r}: expected one of the patched model's")
         ex = layer.experts
-        experts = [sd[f"{p}experts.{w}"] for w in ("w1", "w3", "w2")]
-        if experts[0].shape[0] != ex.num_global:
-            if given:
-                raise ValueError(f"moe.hf.stock_state_dict: {p}experts.w1 holds {experts[0].shape[0]} experts of {ex.num_global} "
-                                 "(expert parallelism): pass no state_dict, and every rank of the ep group gathers them")
+        experts, forms = [], set()
+        for w in ("w1", "w3", "w2"):
+            t, local = sd[f"{p}experts.{w}"], tuple(getattr(ex, w).shape)
+            full = (ex.num_global, *local[1:])
+            if tuple(t.shape) not in (local, full):
+                raise ValueError(f"moe.hf.stock_state_dict: {p}experts.{w} has shape {tuple(t.shape)}: expected {full} "
+                                 f"(every expert) or {local} (this rank's {ex.num_local} of {ex.num_global})")
+            experts.append(t)
+            forms.add(t.shape[0] == ex.num_global)
+        if len(forms) > 1:
+            raise ValueError(f"moe.hf.stock_state_dict: {p}experts.w1/w3/w2 mix every expert with this rank's slice: give one or the other")
+        plan.append((p, layer, mine, experts, forms == {False}))
+    converted = {}  # a patched layer's first key -> that layer's entries in stock names, in the stock block's order
+    replaced = set()  # every key of a patched layer
+    for p, layer, mine, experts, gather in plan:
+        if gather:
             experts = [_gather_experts(w, layer) for w in experts]
         fused = dict(zip(("experts.gate_up_proj", "experts.down_proj"), ours_to_fused(*experts)))
         # everything but the routed experts is named through the stock block that holds the same tensors
@@ -376,29 +391,53 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
     return out
 
 
+def _ep_size(layers) -> int:
+    return max(group_size(layer.ep_group) for _, layer in layers)
+
+
+def save_pretrained(model: nn.Module, save_directory, *args, state_dict: dict | None = None, **kwargs) -> None:
+    """Writes a patched model in transformers' names and layouts, as ``unpatch`` then the stock
+    ``save_pretrained`` would, with the model left patched: the stock class's ``save_pretrained``
+    over ``stock_state_dict(model, state_dict)``; other arguments pass through to it.
+
+    Under expert parallelism, a collective: every rank calls it (each with its own ``state_dict``,
+    under ZeRO-3 ``model.state_dict() | engine.full_parameters()``), the experts are gathered over
+    each layer's ep group, and global rank 0 writes (transformers' rule for distributed saves).
+    Without it, this is the model's own ``save_pretrained``, which ``patch`` installs."""
+    layers = _patched_layers(model)
+    if not layers:
+        raise ValueError("moe.hf.save_pretrained: the model holds no layer that moe.hf.patch made: call its own save_pretrained")
+    sd = stock_state_dict(model, state_dict)
+    if _ep_size(layers) > 1 and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return None
+    return type(model).save_pretrained(model, save_directory, *args, state_dict=sd, **kwargs)
+
+
 class _SavePretrained:
     """``save_pretrained`` of a patched model, which ``patch`` sets on the model it patched (an
-    instance attribute, as accelerate's hooks replace ``forward``) and ``unpatch`` removes: the
-    stock class's ``save_pretrained`` over ``stock_state_dict``, so the directory holds
-    transformers' names and layouts and the stock ``from_pretrained`` loads it. Refused, before
-    anything is written or exchanged, under expert parallelism. An object holding the model rather
-    than a bound method: a deep copy or an unpickled model gets its own (a bound method pickles as
-    a lookup of its function's name on the model, which fails when the model is unpickled)."""
+    instance attribute, as accelerate's hooks replace ``forward``) and ``unpatch`` removes:
+    ``moe.hf.save_pretrained``, so the directory holds transformers' names and layouts and the stock
+    ``from_pretrained`` loads it. Refused, before anything is written or exchanged, under expert
+    parallelism: transformers' Trainer calls ``save_pretrained`` on the writing rank alone, where a
+    gather would wait forever for the others. An object holding the model rather than a bound
+    method: a deep copy or an unpickled model gets its own (a bound method pickles as a lookup of
+    its function's name on the model, which fails when the model is unpickled)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def __call__(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
+    def __call__(self, save_directory, *args, **kwargs):
         model = self.model
         layers = _patched_layers(model)
-        if layers:
-            R = max(group_size(layer.ep_group) for _, layer in layers)
-            if R > 1:
-                raise ValueError(f"moe.hf: save_pretrained of a model patched with expert parallelism (ep={R}): each rank "
-                                 f"holds 1/{R} of the experts. Call moe.hf.unpatch(model) on every rank of the ep group (it "
-                                 "gathers them), then save_pretrained on one rank")
-            state_dict = stock_state_dict(model, state_dict)
-        return type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict, **kwargs)
+        if not layers:  # every layer taken out by hand: the stock save
+            return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        R = _ep_size(layers)
+        if R > 1:
+            raise ValueError(f"moe.hf: save_pretrained of a model patched with expert parallelism (ep={R}): each rank "
+                             f"holds 1/{R} of the experts. Call moe.hf.save_pretrained(model, save_directory) on every "
+                             "rank (it gathers them; rank 0 writes), or moe.hf.unpatch(model) on every rank, then "
+                             "save_pretrained on one")
+        return save_pretrained(model, save_directory, *args, **kwargs)
 
 
 def _hook_if_already_hooked(model: nn.Module, recorders: list[nn.Module]) -> None:

@@ -525,28 +525,44 @@ def _ep_unpatch_rank(rank, world, archs, tmp):
     out = {}
     for arch in archs:
         model = _scaled(hf.patch(_build(arch), ep_group=dist.group.WORLD, dp_group=dist.group.WORLD))
-        # refused before anything is written or exchanged: rank 1 never calls it, and rank 0 must not hang
+        # refused before anything is written or exchanged: rank 1 never calls these, so a gather
+        # on rank 0 would wait for it (or pair with its next gather and corrupt the results below)
         if rank == 0:
-            with pytest.raises(ValueError, match=r"expert parallelism \(ep=2\).*moe\.hf\.unpatch\(model\) on every rank"):
-                model.save_pretrained(os.path.join(tmp, arch))
-            assert not os.path.exists(os.path.join(tmp, arch))
-        with pytest.raises(ValueError, match=r"experts\.w1 holds \d+ experts of \d+ \(expert parallelism\)"):
-            hf.stock_state_dict(model, model.state_dict())
+            with pytest.raises(ValueError, match=r"expert parallelism \(ep=2\).*moe\.hf\.save_pretrained\(model, save_directory\) on every rank"):
+                model.save_pretrained(os.path.join(tmp, arch, "refused"))
+            assert not os.path.exists(os.path.join(tmp, arch, "refused"))
+            last = hf._patched_layers(model)[-1][0]
+            sd = model.state_dict()
+            with pytest.raises(ValueError, match=rf"has no '{last}\.router\.weight'"):  # the last layer's: checked before the first gather
+                hf.stock_state_dict(model, {k: v for k, v in sd.items() if k != f"{last}.router.weight"})
+            bad = sd | {f"{last}.experts.w2": sd[f"{last}.experts.w2"][:1]}
+            with pytest.raises(ValueError, match=rf"{last}\.experts\.w2 has shape \(1, \d+, \d+\): expected \(\d+, \d+, \d+\) \(every expert\)"):
+                hf.save_pretrained(model, os.path.join(tmp, arch, "refused"), state_dict=bad)
+            assert not os.path.exists(os.path.join(tmp, arch, "refused"))
+        given = hf.stock_state_dict(model, model.state_dict())  # this rank's slices, gathered
         gathered = hf.stock_state_dict(model)  # a collective, the model left patched
-        out[arch] = (gathered, hf.unpatch(model).state_dict())
+        hf.save_pretrained(model, os.path.join(tmp, arch, "saved"))  # every rank; rank 0 writes
+        dist.barrier()
+        out[arch] = (given, gathered, hf.unpatch(model).state_dict())
     return out
 
 
 def test_unpatch_under_expert_parallelism_gathers_every_expert(tmp_path):
+    """ep=2 on 2 gloo ranks: unpatch, stock_state_dict (of the model, and of a state dict holding
+    this rank's slices) and moe.hf.save_pretrained gather every expert; bad input is refused on the
+    one rank that holds it, before any exchange."""
     from tests.dist_utils import run_distributed
 
     results = run_distributed(_ep_unpatch_rank, 2, EP_ARCHS, str(tmp_path))
     for arch in EP_ARCHS:
-        want = _scaled(_build(arch)).state_dict()
+        model = _scaled(_build(arch))
+        want = model.state_dict()
         for r in range(2):
-            gathered, unpatched = results[r][arch]
+            given, gathered, unpatched = results[r][arch]
             _assert_same_state(unpatched, want, (arch, r, "unpatch"))
             _assert_same_state(gathered, want, (arch, r, "stock_state_dict"))
+            _assert_same_state(given, want, (arch, r, "stock_state_dict(state_dict=)"))
+        _assert_same_state(_load_stock(type(model), tmp_path / arch / "saved"), want, (arch, "moe.hf.save_pretrained"))
 
 
 def test_expert_parallel_patch_matches_stock():
@@ -628,14 +644,10 @@ def _zero_rank(rank, world, arch, out_dir):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    # the way out (README): the gathered weights and the model's buffers into a freshly patched
-    # model of the same layout, unpatch, save
+    # the way out (README): the model's buffers and the engine's gathered weights (this rank's
+    # experts), saved by every rank; the experts are gathered over ep and rank 0 writes
     trained = engine.full_parameters()
-    fresh = hf.patch(transformers.AutoModelForCausalLM.from_config(model.config), ep_group=layout.ep_group, dp_group=layout.dp_group)
-    fresh.load_state_dict(model.state_dict() | trained)
-    hf.unpatch(fresh)
-    if layout.rank == 0:
-        fresh.save_pretrained(out_dir)
+    hf.save_pretrained(model, out_dir, state_dict=model.state_dict() | trained)
     dist.barrier()
     return dict(losses=losses, grads=grads, shapes={n: tuple(t.shape) for n, t in trained.items()})
 
@@ -643,7 +655,7 @@ def _zero_rank(rank, world, arch, out_dir):
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])  # a gated shared expert; the correction bias, a buffer
 def test_patched_model_trains_under_zero3_with_expert_parallelism_like_one_process_and_saves_pretrained(arch, tmp_path):
     """The whole road a user takes: patch a transformers model with ep=2, train it under ZeRO-3 on 2
-    gloo ranks (each rank one sequence of the global batch), gather, unpatch, save_pretrained; against
+    gloo ranks (each rank one sequence of the global batch), save it with moe.hf.save_pretrained; against
     the stock model trained in one process on the whole batch. Every step's loss and every gradient
     (the engine's synchronised ones, an ep slice of the experts on each rank) within 1e-5, and the
     saved model's weights within 1e-5 of the reference's (SGD: rounding of the gradients only)."""
