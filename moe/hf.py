@@ -54,7 +54,8 @@ only the order in which the k outputs are summed differs).
 
 Refused with a ValueError naming the field: an unknown ``model_type``, an activation other than
 silu (``hidden_act``), router jitter (``router_jitter_noise`` > 0), a model whose config names a
-supported type but holds no MoE block of the expected class.
+supported type but holds no MoE block of the expected class; and a transformers release other than 5.x,
+whose fused expert tensors could hold the same shapes in another order.
 """
 from __future__ import annotations
 
@@ -118,6 +119,18 @@ def _new_tap(router_cls: type) -> _RouterLogitsTap:
 def _require(cond: bool, field: str, value, why: str) -> None:
     if not cond:
         raise ValueError(f"moe.hf.patch: config.{field}={value!r} is not supported: {why}")
+
+
+# the transformers releases whose fused expert layouts ``patch`` maps: a major release may reorder
+# gate_up_proj's halves or transpose a tensor of the same shape, which no shape check could see
+_TRANSFORMERS_MAJOR = 5
+
+
+def _check_transformers(version: str) -> None:
+    if int(version.split(".")[0]) != _TRANSFORMERS_MAJOR:
+        raise ValueError(f"moe.hf.patch: transformers {version} is not supported: moe.hf maps the fused expert "
+                         f"layouts of transformers {_TRANSFORMERS_MAJOR}.x (5.17 and 5.24 tested); install "
+                         f"'transformers>=5.17,<6' (pip install -e .[hf])")
 
 
 def _model_config(model):
@@ -213,6 +226,9 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     ``[rank * E/R, (rank + 1) * E/R)`` and tokens cross it by All-to-All, so every
     rank must call ``patch`` on the same model with the same group. ``dp_group``: the data-parallel
     group over which the layer reduces its routing statistics. None means one process for either."""
+    import transformers
+
+    _check_transformers(transformers.__version__)
     hf_cfg = _model_config(model)
     model_type = getattr(hf_cfg, "model_type", None)
     _require(model_type in _BLOCKS, "model_type", model_type, f"supported model types are {SUPPORTED_MODEL_TYPES}")

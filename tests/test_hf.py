@@ -8,6 +8,7 @@ gradient element is ~0)."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -432,7 +433,7 @@ def test_patch_after_a_recording_forward_still_records_router_logits():
     _close(out.router_logits[1], ref.router_logits[1], "router_logits after late patch")
 
 
-def test_refusals_name_the_field():
+def test_refusals_name_the_field(monkeypatch):
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         hf.patch(transformers.MixtralForCausalLM(_mixtral_gelu()))
     stock = _build("mixtral")
@@ -446,6 +447,13 @@ def test_refusals_name_the_field():
     patched = hf.patch(_build("mixtral"))
     with pytest.raises(ValueError, match="holds no MixtralSparseMoeBlock"):
         hf.patch(patched)
+    stock = _build("mixtral")
+    for version in ("6.0.0", "4.57.1"):  # a major release whose fused layouts nothing here has checked
+        # the module patch imports: transformers may swap the object in sys.modules while it builds a model
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+        with pytest.raises(ValueError, match=rf"transformers {version} is not supported.*transformers>=5\.17,<6"):
+            hf.patch(stock)
+    assert not any(isinstance(m, MoELayer) for m in stock.modules())
 
 
 def _mixtral_gelu():
