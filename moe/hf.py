@@ -18,7 +18,9 @@ what the stock class loads. A model still patched saves the same files: ``patch`
 ``save_pretrained`` that writes ``stock_state_dict(model)`` (the state dict ``unpatch`` would give,
 computed with the model left patched). Under expert parallelism, where ranks hold slices of the
 experts, that is refused; ``moe.hf.save_pretrained(model, dir)``, called on every rank, gathers
-them and writes from rank 0.
+them and writes from rank 0. The other way, a patched model's ``load_state_dict`` takes the stock
+module's names and layout as well as its own (a load pre-hook on each patched layer converts them,
+keeping this rank's experts).
 
 Whole models move as Mixtral checkpoints: ``export_mixtral``/``import_mixtral`` (``moe.hf_mixtral``,
 which holds the one mapping table between our names and layouts and Mixtral's).
@@ -247,6 +249,8 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
         block = getattr(parent, child)
         layer = _convert_block(model_type, block, tap_cls, ep_group, dp_group)
         layer._hf_stock_block = (model_type, type(block))  # what ``unpatch`` puts back (not state)
+        layer._hf_stock_names = _stock_names(layer, hf_cfg)
+        layer._register_load_state_dict_pre_hook(_load_stock_layout, with_module=True)
         setattr(parent, child, layer)
         layers.append(layer)
     _hook_if_already_hooked(model, [layer.router_logits_tap for layer in layers])
@@ -334,6 +338,66 @@ def _patched_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
 # the layer's state-dict entries that the stock block has no place for: the router's expert bias
 # of a model without one (zeros, never trained: only DeepSeek-V3 maps it, to e_score_correction_bias)
 _NOT_STOCK = ("router.expert_bias",)
+_OUR_EXPERTS = ("experts.w1", "experts.w3", "experts.w2")
+_STOCK_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def _stock_names(layer: MoELayer, config) -> dict[str, str | None]:
+    """The stock block's state-dict keys, in its order, each with the patched layer's key of the same
+    tensor (None for the fused routed experts, which have none: ``w1``/``w3``/``w2`` split them)."""
+    mine = {id(t): k for k, t in layer.state_dict(keep_vars=True).items()}
+    names = {}
+    for k, t in _stock_block(layer, config).state_dict(keep_vars=True).items():
+        if k in _STOCK_EXPERTS:
+            names[k] = None
+        elif id(t) in mine:
+            names[k] = mine[id(t)]
+        else:
+            raise AssertionError(f"moe.hf: the stock block's {k} has no counterpart in the patched layer")
+    unknown = [k for k in mine.values() if k not in names.values() and k not in _OUR_EXPERTS and k not in _NOT_STOCK]
+    if unknown:
+        raise AssertionError(f"moe.hf: the patched layer's {unknown} have no stock name")
+    return names
+
+
+def _load_stock_layout(layer: MoELayer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    """``load_state_dict`` pre-hook of a patched layer: its entries in the stock block's names and
+    layout (a stock model's ``state_dict()``, ``stock_state_dict``'s output) become the layer's, in
+    place, before the layer reads them: renamed, and the fused experts (all of them) split into
+    ``w1``/``w3``/``w2`` and cut to this rank's experts. Entries already in the layer's names load
+    as ever; one layer's entries in both layouts are refused. (The files ``save_pretrained`` writes
+    hold the Hub's per-expert layout, which ``from_pretrained`` converts, not this one.)"""
+    names = layer._hf_stock_names
+    stock = [k for k, ours in names.items() if k != ours and prefix + k in state_dict]
+    if not stock:
+        return
+    ours = [k for k in (*_OUR_EXPERTS, *(v for k, v in names.items() if v is not None and v != k)) if prefix + k in state_dict]
+    if ours:
+        raise ValueError(f"moe.hf: the state dict holds {prefix}{stock[0]} (transformers' layout) and {prefix}{ours[0]} "
+                         "(the patched layer's) for one layer: give each layer's entries in one layout")
+    present = [k for k in _STOCK_EXPERTS if prefix + k in state_dict]
+    if present:
+        if len(present) == 1:
+            missing = next(k for k in _STOCK_EXPERTS if k not in present)
+            raise ValueError(f"moe.hf: the state dict holds {prefix}{present[0]} without {prefix}{missing}: the routed "
+                             "experts load from both")
+        ex = layer.experts
+        E, D, F = ex.num_global, ex.w1.shape[1], ex.w1.shape[2]
+        gate_up, down = (state_dict.pop(prefix + k) for k in _STOCK_EXPERTS)
+        for k, t, want in ((_STOCK_EXPERTS[0], gate_up, (E, 2 * F, D)), (_STOCK_EXPERTS[1], down, (E, D, F))):
+            if tuple(t.shape) != want:
+                raise ValueError(f"moe.hf: {prefix}{k} has shape {tuple(t.shape)}: expected {want} (all {E} experts, "
+                                 "transformers' fused layout)")
+        lo, hi = ex.expert_offset, ex.expert_offset + ex.num_local
+        for k, t in zip(_OUR_EXPERTS, fused_to_ours(gate_up[lo:hi], down[lo:hi])):
+            state_dict[prefix + k] = t
+    for k, our in names.items():
+        if our is not None and our != k and prefix + k in state_dict:
+            state_dict[prefix + our] = state_dict.pop(prefix + k)
+    own = layer.state_dict(keep_vars=True)
+    for k in _NOT_STOCK:  # no stock entry to come from: the layer's own value stays
+        if k in own and k not in names.values():
+            state_dict.setdefault(prefix + k, own[k].detach())
 
 
 @torch.no_grad()
@@ -351,7 +415,6 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
     the group calls, each with its own state dict of the same form. The state dict is checked
     whole (every key, every expert shape) before the first gather, so a bad one is refused on the
     rank that holds it without leaving the others waiting."""
-    config = _model_config(model)
     layers = _patched_layers(model)
     if not layers:
         raise ValueError("moe.hf.stock_state_dict: the model holds no layer that moe.hf.patch made (its state_dict is already stock)")
@@ -365,11 +428,11 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
             raise ValueError(f"moe.hf.stock_state_dict: the state dict has no {missing[0]!r}: expected one of the patched model's")
         ex = layer.experts
         experts, forms = [], set()
-        for w in ("w1", "w3", "w2"):
-            t, local = sd[f"{p}experts.{w}"], tuple(getattr(ex, w).shape)
+        for w in _OUR_EXPERTS:
+            t, local = sd[p + w], tuple(ex.get_parameter(w.removeprefix("experts.")).shape)
             full = (ex.num_global, *local[1:])
             if tuple(t.shape) not in (local, full):
-                raise ValueError(f"moe.hf.stock_state_dict: {p}experts.{w} has shape {tuple(t.shape)}: expected {full} "
+                raise ValueError(f"moe.hf.stock_state_dict: {p}{w} has shape {tuple(t.shape)}: expected {full} "
                                  f"(every expert) or {local} (this rank's {ex.num_local} of {ex.num_global})")
             experts.append(t)
             forms.add(t.shape[0] == ex.num_global)
@@ -381,21 +444,8 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
     for p, layer, mine, experts, gather in plan:
         if gather:
             experts = [_gather_experts(w, layer) for w in experts]
-        fused = dict(zip(("experts.gate_up_proj", "experts.down_proj"), ours_to_fused(*experts)))
-        # everything but the routed experts is named through the stock block that holds the same tensors
-        local = {id(t): k for k, t in mine.items()}
-        entries, used = {}, {"experts.w1", "experts.w3", "experts.w2"}
-        for k, t in _stock_block(layer, config).state_dict(keep_vars=True).items():
-            if k in fused:
-                entries[p + k] = fused[k]
-            elif id(t) in local:
-                entries[p + k] = sd[p + local[id(t)]]
-                used.add(local[id(t)])
-            else:
-                raise AssertionError(f"moe.hf.stock_state_dict: the stock block's {k} has no counterpart in the patched layer")
-        unknown = [k for k in mine if k not in used and k not in _NOT_STOCK]
-        if unknown:
-            raise AssertionError(f"moe.hf.stock_state_dict: the patched layer's {unknown} have no stock name")
+        fused = dict(zip(_STOCK_EXPERTS, ours_to_fused(*experts)))
+        entries = {p + k: fused[k] if ours is None else sd[p + ours] for k, ours in layer._hf_stock_names.items()}
         converted[p + next(iter(mine))] = entries
         replaced.update(p + k for k in mine)
     out = {}

@@ -285,6 +285,39 @@ def test_a_patched_model_saves_pretrained_in_the_stock_layout(arch, tmp_path):
         hf.stock_state_dict(model, broken)
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_patched_model_loads_a_state_dict_in_the_stock_layout(arch, tmp_path):
+    """load_state_dict of a patched model takes the stock module's names and layout too (a stock
+    model's state_dict(), stock_state_dict's output): every weight lands, bit for bit, strict; so it
+    does in a deep copy and in an unpickled model. The patched names load as ever; a layer given in
+    both layouts, half of the fused experts, or fused experts of the wrong size are refused naming
+    the key."""
+    trained = _scaled(hf.patch(_build(arch)))
+    want = trained.state_dict()
+    stock_sd = hf.stock_state_dict(trained)
+    fresh = hf.patch(_build(arch))
+    assert any(not torch.equal(t, want[k]) for k, t in fresh.state_dict().items())
+    twin = copy.deepcopy(fresh)
+    torch.save(fresh, tmp_path / "model.pt")
+    thawed = torch.load(tmp_path / "model.pt", weights_only=False)
+    fresh.load_state_dict(stock_sd)
+    _assert_same_state(fresh.state_dict(), want, "stock_state_dict")
+    for what, model in (("a deep copy", twin), ("an unpickled model", thawed)):
+        model.load_state_dict(_scaled(_build(arch)).state_dict())  # a stock model's own
+        _assert_same_state(model.state_dict(), want, what)
+    again = hf.patch(_build(arch))
+    again.load_state_dict(want)  # our own names
+    _assert_same_state(again.state_dict(), want, "patched names")
+
+    p = hf._patched_layers(fresh)[-1][0] + "."
+    with pytest.raises(ValueError, match=rf"holds {p}.* \(transformers' layout\) and {p}experts\.w1 \(the patched layer's\)"):
+        fresh.load_state_dict(stock_sd | {p + "experts.w1": want[p + "experts.w1"]})
+    with pytest.raises(ValueError, match=rf"holds {p}experts\.gate_up_proj without {p}experts\.down_proj"):
+        fresh.load_state_dict({k: v for k, v in stock_sd.items() if k != p + "experts.down_proj"})
+    with pytest.raises(ValueError, match=rf"{p}experts\.down_proj has shape \(1, \d+, \d+\): expected \(\d+, \d+, \d+\)"):
+        fresh.load_state_dict(stock_sd | {p + "experts.down_proj": stock_sd[p + "experts.down_proj"][:1]})
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
 def test_transformers_trainer_trains_a_patched_model_like_the_stock_one_and_saves_it_stock(arch, tmp_path):
     """transformers' Trainer, unchanged, on a patched model and on the stock one (same weights, data
@@ -547,18 +580,22 @@ def _ep_unpatch_rank(rank, world, archs, tmp):
             with pytest.raises(ValueError, match=rf"{last}\.experts\.w2 has shape \(1, \d+, \d+\): expected \(\d+, \d+, \d+\) \(every expert\)"):
                 hf.save_pretrained(model, os.path.join(tmp, arch, "refused"), state_dict=bad)
             assert not os.path.exists(os.path.join(tmp, arch, "refused"))
+        other = hf.patch(_build(arch), ep_group=dist.group.WORLD, dp_group=dist.group.WORLD)
+        other.load_state_dict(_scaled(_build(arch)).state_dict())  # all experts given; this rank's kept
+        loaded = hf.stock_state_dict(other)
         given = hf.stock_state_dict(model, model.state_dict())  # this rank's slices, gathered
         gathered = hf.stock_state_dict(model)  # a collective, the model left patched
         hf.save_pretrained(model, os.path.join(tmp, arch, "saved"))  # every rank; rank 0 writes
         dist.barrier()
-        out[arch] = (given, gathered, hf.unpatch(model).state_dict())
+        out[arch] = (given, gathered, hf.unpatch(model).state_dict(), loaded)
     return out
 
 
 def test_unpatch_under_expert_parallelism_gathers_every_expert(tmp_path):
     """ep=2 on 2 gloo ranks: unpatch, stock_state_dict (of the model, and of a state dict holding
     this rank's slices) and moe.hf.save_pretrained gather every expert; bad input is refused on the
-    one rank that holds it, before any exchange."""
+    one rank that holds it, before any exchange; a stock state dict loads, each rank keeping its
+    own experts."""
     from tests.dist_utils import run_distributed
 
     results = run_distributed(_ep_unpatch_rank, 2, EP_ARCHS, str(tmp_path))
@@ -566,8 +603,9 @@ def test_unpatch_under_expert_parallelism_gathers_every_expert(tmp_path):
         model = _scaled(_build(arch))
         want = model.state_dict()
         for r in range(2):
-            given, gathered, unpatched = results[r][arch]
+            given, gathered, unpatched, loaded = results[r][arch]
             _assert_same_state(unpatched, want, (arch, r, "unpatch"))
+            _assert_same_state(loaded, want, (arch, r, "load_state_dict of the stock layout"))
             _assert_same_state(gathered, want, (arch, r, "stock_state_dict"))
             _assert_same_state(given, want, (arch, r, "stock_state_dict(state_dict=)"))
         _assert_same_state(_load_stock(type(model), tmp_path / arch / "saved"), want, (arch, "moe.hf.save_pretrained"))
