@@ -318,6 +318,38 @@ def test_a_patched_model_loads_a_state_dict_in_the_stock_layout(arch, tmp_path):
         fresh.load_state_dict(stock_sd | {p + "experts.down_proj": stock_sd[p + "experts.down_proj"][:1]})
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # the Hub renames Mixtral's block; groups, bias, shared experts
+def test_transformers_trainer_resumes_a_patched_model_from_its_checkpoint(arch, tmp_path):
+    """transformers' Trainer checkpoints a patched model (checkpoint-N/ in the Hub layout) and
+    resumes it, the checkpoint's weights loaded first as the README says (the Trainer's own reload
+    reads the file without converting the Hub's per-expert tensors, and leaves the experts of stock
+    and patched models alike as they were): a run of 4 steps resumed from step 2 into a freshly
+    patched model logs the same losses for steps 3 and 4 and ends with the same weights as the run
+    that went straight through."""
+    pytest.importorskip("accelerate")
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (16, L))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def run(out, resume=None):
+        model = hf.patch(_build(arch))
+        if resume is not None:
+            model.load_state_dict(type(model).from_pretrained(resume, dtype=torch.float32).state_dict())
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / out), per_device_train_batch_size=4, max_steps=4,
+                                              learning_rate=0.05, optim="sgd", use_cpu=True, report_to=[],
+                                              save_strategy="steps", save_steps=2, logging_steps=1,
+                                              dataloader_num_workers=0, seed=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}, model.state_dict()
+
+    losses, weights = run("straight")
+    resumed, resumed_weights = run("resumed", resume=str(tmp_path / "straight" / "checkpoint-2"))
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert resumed == losses  # steps 1 and 2 from the checkpoint's trainer state, 3 and 4 run again
+    _assert_same_state(resumed_weights, weights, "resumed")
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
 def test_transformers_trainer_trains_a_patched_model_like_the_stock_one_and_saves_it_stock(arch, tmp_path):
     """transformers' Trainer, unchanged, on a patched model and on the stock one (same weights, data
