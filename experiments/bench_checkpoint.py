@@ -21,6 +21,7 @@ AdamW step (so the optimizer state exists) and then, all ranks together:
 
 Runs on gloo (CPU) or NCCL (GPU); imports no hydra or wandb.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,12 +45,24 @@ from zero import checkpoint as zc
 
 def _build(args, layout: zero.Layout, device) -> zero.ZeroEngine:
     D = args.d_model
-    cfg = TransformerConfig(vocab_size=256, d_model=D, n_layers=args.layers, n_heads=max(1, D // 64), d_ff=4 * D,
-                            max_seq_len=64, moe=MoEConfig(d_model=D, d_ff=2 * D, num_experts=args.experts, top_k=2))
+    cfg = TransformerConfig(
+        vocab_size=256,
+        d_model=D,
+        n_layers=args.layers,
+        n_heads=max(1, D // 64),
+        d_ff=4 * D,
+        max_seq_len=64,
+        moe=MoEConfig(d_model=D, d_ff=2 * D, num_experts=args.experts, top_k=2),
+    )
     torch.manual_seed(0)
     model = Transformer(cfg, layout=layout).to(device)
-    engine = zero.ZeroEngine(model, layout, stage=args.stage, offload=args.offload,
-                             optimizer=lambda g: torch.optim.AdamW(g, lr=1e-3, foreach=True))
+    engine = zero.ZeroEngine(
+        model,
+        layout,
+        stage=args.stage,
+        offload=args.offload,
+        optimizer=lambda g: torch.optim.AdamW(g, lr=1e-3, foreach=True),
+    )
     x = torch.randint(0, 256, (2, 32), device=device)
     engine.backward(torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()))
     engine.step()
@@ -115,9 +128,22 @@ def _run(rank, world, port, args, q):
     ck.close()
     mem = zero.predict_memory(engine.module, stage=3, mixed_precision="fp32", layout=layout)
     predicted = sum(mem[k]["params"] + mem[k]["optimizer"] for k in ("dense", "expert"))
-    q.put((rank, {"save": statistics.median(saves), "digest": digest, "load": statistics.median(loads), "plain": statistics.median(plain),
-                  "stall": statistics.median(stalls), "async_total": statistics.median(totals), "written": written,
-                  "predicted": predicted, "params": sum(zero.count_params(engine.module, layout).values())}))
+    q.put(
+        (
+            rank,
+            {
+                "save": statistics.median(saves),
+                "digest": digest,
+                "load": statistics.median(loads),
+                "plain": statistics.median(plain),
+                "stall": statistics.median(stalls),
+                "async_total": statistics.median(totals),
+                "written": written,
+                "predicted": predicted,
+                "params": sum(zero.count_params(engine.module, layout).values()),
+            },
+        )
+    )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -144,7 +170,9 @@ def main(argv=None):
             args.ep = 1
             _run(0, 1, 0, args, q)
         else:
-            mp.start_processes(_run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True)
+            mp.start_processes(
+                _run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True
+            )
         rows = dict(q.get() for _ in range(args.world))
     finally:
         if tmp:
@@ -152,16 +180,24 @@ def main(argv=None):
     r = [rows[i] for i in range(args.world)]
     written, predicted = sum(x["written"] for x in r), sum(x["predicted"] for x in r)
     save = max(x["save"] for x in r)
-    print(f"{r[0]['params'] / 1e6:.1f}M parameters, world {args.world} (ep {args.ep}, ZeRO-{args.stage}"
-          f"{', offload' if args.offload else ''}), {'nccl' if torch.cuda.is_available() else 'gloo'}, median of {args.reps}")
-    print("| rank | save (s) | verify (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain | async stall (s) | stall / sync save |")
+    print(
+        f"{r[0]['params'] / 1e6:.1f}M parameters, world {args.world} (ep {args.ep}, ZeRO-{args.stage}"
+        f"{', offload' if args.offload else ''}), {'nccl' if torch.cuda.is_available() else 'gloo'}, median of {args.reps}"
+    )
+    print(
+        "| rank | save (s) | verify (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain | async stall (s) | stall / sync save |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for i, x in enumerate(r):
-        print(f"| {i} | {x['save']:.2f} | {x['digest']:.2f} | {x['load']:.2f} | {x['written'] / 1e6:.1f} | {x['plain']:.2f} | "
-              f"{x['plain'] / x['save']:.2f} | {x['stall']:.3f} | {x['stall'] / x['save']:.2f} |")
-    print(f"bytes written {written / 1e6:.1f} MB vs predict_memory's model state (fp32 weights + Adam moments) "
-          f"{predicted / 1e6:.1f} MB: {written / predicted:.3f}x; checkpoint save {save:.2f} s "
-          f"({written / save / 1e6:.0f} MB/s over all ranks); async save in the background {max(x['async_total'] for x in r):.2f} s")
+        print(
+            f"| {i} | {x['save']:.2f} | {x['digest']:.2f} | {x['load']:.2f} | {x['written'] / 1e6:.1f} | {x['plain']:.2f} | "
+            f"{x['plain'] / x['save']:.2f} | {x['stall']:.3f} | {x['stall'] / x['save']:.2f} |"
+        )
+    print(
+        f"bytes written {written / 1e6:.1f} MB vs predict_memory's model state (fp32 weights + Adam moments) "
+        f"{predicted / 1e6:.1f} MB: {written / predicted:.3f}x; checkpoint save {save:.2f} s "
+        f"({written / save / 1e6:.0f} MB/s over all ranks); async save in the background {max(x['async_total'] for x in r):.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ tokens/s of a full training step (forward, backward, gradient reduction, AdamW) 
 share of EP's step spent inside All-to-All calls.
 Runs on gloo (CPU) or NCCL (GPU) alike; imports no hydra or wandb.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -125,13 +126,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(_run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True)
+    mp.start_processes(
+        _run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True
+    )
     res = q.get()
     tokens = args.world * args.tokens_per_rank
     ddp_t, _ = res["ddp"]
     ep_t, ep_a2a = res["ep"]
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    print(f"world={args.world} ({backend}), {args.layers} MoE layers, D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k}, {args.tokens_per_rank} tokens/rank")
+    print(
+        f"world={args.world} ({backend}), {args.layers} MoE layers, D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k}, {args.tokens_per_rank} tokens/rank"
+    )
     print("| layout | step (ms) | tokens/s | vs DDP | All-to-All share |")
     print("|---|---|---|---|---|")
     print(f"| DDP (all experts on every rank) | {ddp_t * 1e3:.1f} | {tokens / ddp_t:,.0f} | 1.00x | - |")

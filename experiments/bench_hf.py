@@ -35,6 +35,7 @@ its router chose, nothing else): the floor a CPU expert path at this matmul rate
 weights and optimizer state), synchronising before each clock reading.
 Shapes follow the project's legend (docs/design.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,29 +65,69 @@ def hf_model(arch: str, D: int, F: int, E: int, K: int, layers: int, seq: int, v
     """A randomly initialised transformers model (nothing downloaded), fp32, SDPA attention."""
     import transformers
 
-    common = dict(vocab_size=vocab, hidden_size=D, num_hidden_layers=layers, num_attention_heads=heads,
-                  max_position_embeddings=seq, hidden_act="silu", attention_dropout=0.0, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=D,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=seq,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if arch == "mixtral":
-        cfg = transformers.MixtralConfig(**common, num_key_value_heads=heads, intermediate_size=F, num_local_experts=E,
-                                         num_experts_per_tok=K, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cfg = transformers.MixtralConfig(
+            **common,
+            num_key_value_heads=heads,
+            intermediate_size=F,
+            num_local_experts=E,
+            num_experts_per_tok=K,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
         cls = transformers.MixtralForCausalLM
     elif arch == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, num_key_value_heads=heads, intermediate_size=4 * F, moe_intermediate_size=F,
-                                          num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, decoder_sparse_step=1,
-                                          mlp_only_layers=[], head_dim=D // heads)
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=heads,
+            intermediate_size=4 * F,
+            moe_intermediate_size=F,
+            num_experts=E,
+            num_experts_per_tok=K,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            head_dim=D // heads,
+        )
         cls = transformers.Qwen3MoeForCausalLM
     elif arch == "olmoe":
-        cfg = transformers.OlmoeConfig(**common, num_key_value_heads=heads, intermediate_size=F, num_experts=E, num_experts_per_tok=K)
+        cfg = transformers.OlmoeConfig(
+            **common, num_key_value_heads=heads, intermediate_size=F, num_experts=E, num_experts_per_tok=K
+        )
         cls = transformers.OlmoeForCausalLM
     elif arch == "deepseek_v3":
         J = D // heads
         G = min(8, E // 4)  # DeepSeek-V3: 256 experts in 8 groups, 4 groups kept
-        cfg = transformers.DeepseekV3Config(**common, num_key_value_heads=heads, intermediate_size=4 * F, moe_intermediate_size=F,
-                                            n_routed_experts=E, num_experts_per_tok=K, n_group=G, topk_group=max(1, G // 2), n_shared_experts=1,
-                                            first_k_dense_replace=0, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                            q_lora_rank=D // 2, kv_lora_rank=D // 4, qk_rope_head_dim=J // 2, qk_nope_head_dim=J // 2,
-                                            v_head_dim=J)
+        cfg = transformers.DeepseekV3Config(
+            **common,
+            num_key_value_heads=heads,
+            intermediate_size=4 * F,
+            moe_intermediate_size=F,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_group=G,
+            topk_group=max(1, G // 2),
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=D // 2,
+            kv_lora_rank=D // 4,
+            qk_rope_head_dim=J // 2,
+            qk_nope_head_dim=J // 2,
+            v_head_dim=J,
+        )
         cls = transformers.DeepseekV3ForCausalLM
     else:
         raise ValueError(f"--archs {arch!r}: expected some of {tuple(SIZES)}")
@@ -98,8 +139,13 @@ def ours_for(stock):
     """Our Transformer holding the stock Mixtral's weights (the mapping table), balancing losses off."""
     from moe.hf_mixtral import import_mixtral_state_dict
 
-    return import_mixtral_state_dict(stock.state_dict(), stock.config, max_seq_len=stock.config.max_position_embeddings,
-                                     aux_loss_coef=0.0, z_loss_coef=0.0)
+    return import_mixtral_state_dict(
+        stock.state_dict(),
+        stock.config,
+        max_seq_len=stock.config.max_position_embeddings,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+    )
 
 
 def models_for(arch: str, layers: int, seq: int, sizes=None, vocab: int = VOCAB, heads: int = HEADS) -> dict:
@@ -139,7 +185,9 @@ def make_step(model, ids_BL, autocast):
     return step
 
 
-def measure(models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock=time.perf_counter, warmup: int = WARMUP) -> dict:
+def measure(
+    models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock=time.perf_counter, warmup: int = WARMUP
+) -> dict:
     """'time': name -> median step seconds; 'loss': name -> first-step loss; 'ratios': name -> stock
     time / name's time, the median over repetitions of each repetition's ratio; 'spread': name ->
     (lowest, highest) of those ratios. ``warmup`` untimed steps of every model come first (at least
@@ -158,8 +206,12 @@ def measure(models: dict, ids_BL, reps: int, device, autocast=nullcontext, clock
             _sync(device)
             times[name].append(clock() - t0)
     per_rep = {name: [s / t for s, t in zip(times["stock"], times[name])] for name in steps if name != "stock"}
-    return {"time": {n: statistics.median(t) for n, t in times.items()}, "loss": first,
-            "ratios": {n: statistics.median(r) for n, r in per_rep.items()}, "spread": {n: (min(r), max(r)) for n, r in per_rep.items()}}
+    return {
+        "time": {n: statistics.median(t) for n, t in times.items()},
+        "loss": first,
+        "ratios": {n: statistics.median(r) for n, r in per_rep.items()},
+        "spread": {n: (min(r), max(r)) for n, r in per_rep.items()},
+    }
 
 
 def moe_blocks(model) -> list:
@@ -214,7 +266,12 @@ def expert_matmuls(experts, counts: list[int]):
     w1, w3, w2 = experts.w1.detach(), experts.w3.detach(), experts.w2.detach()
     S, D, F = sum(counts), w1.shape[1], w1.shape[2]
     x, h, g = torch.randn(S, D), torch.randn(S, F), torch.randn(S, D)
-    out_F, out_D, out_DF, out_FD = torch.empty(max(counts), F), torch.empty(max(counts), D), torch.empty(D, F), torch.empty(F, D)
+    out_F, out_D, out_DF, out_FD = (
+        torch.empty(max(counts), F),
+        torch.empty(max(counts), D),
+        torch.empty(D, F),
+        torch.empty(F, D),
+    )
 
     def run():
         a = 0
@@ -222,13 +279,19 @@ def expert_matmuls(experts, counts: list[int]):
             xe, he, ge = x[a : a + n], h[a : a + n], g[a : a + n]
             a += n
             torch.mm(xe, w1[e], out=out_F[:n]), torch.mm(xe, w3[e], out=out_F[:n]), torch.mm(he, w2[e], out=out_D[:n])
-            torch.mm(ge, w2[e].t(), out=out_F[:n]), torch.mm(he, w1[e].t(), out=out_D[:n]), torch.mm(he, w3[e].t(), out=out_D[:n])
+            (
+                torch.mm(ge, w2[e].t(), out=out_F[:n]),
+                torch.mm(he, w1[e].t(), out=out_D[:n]),
+                torch.mm(he, w3[e].t(), out=out_D[:n]),
+            )
             torch.mm(he.t(), ge, out=out_FD), torch.mm(xe.t(), he, out=out_DF), torch.mm(xe.t(), he, out=out_DF)
 
     return run
 
 
-def layer_floor(arch: str, batch: int, seq: int, reps: int, clock=time.perf_counter, sizes=None, heads: int = HEADS) -> dict:
+def layer_floor(
+    arch: str, batch: int, seq: int, reps: int, clock=time.perf_counter, sizes=None, heads: int = HEADS
+) -> dict:
     """One MoE block, forward + backward of ``sum(output)`` on the same ``[batch, seq, D]`` input:
     the stock block, the patched one, and the patched block's expert matmuls alone
     (``expert_matmuls`` at the counts the patched router chose); medians over ``reps``, interleaved."""
@@ -245,6 +308,7 @@ def layer_floor(arch: str, batch: int, seq: int, reps: int, clock=time.perf_coun
             block.zero_grad(set_to_none=True)
             out = block(x)
             (out[0] if isinstance(out, tuple) else out).sum().backward()
+
         return run
 
     runs = {"stock": fwd_bwd(stock), "patched": fwd_bwd(patched), "expert matmuls": floor}
@@ -262,19 +326,30 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--archs", nargs="+", default=list(SIZES))
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps of every model before the timed ones (at least 1)")
+    p.add_argument(
+        "--warmup", type=int, default=WARMUP, help="untimed steps of every model before the timed ones (at least 1)"
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
-    p.add_argument("--moe-share", action="store_true",
-                   help="also print the MoE blocks' share of a step (forward + backward) of the stock and the patched model")
-    p.add_argument("--layer-floor", action="store_true",
-                   help="also time one MoE block alone (forward + backward), stock and patched, against its expert matmuls alone")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with this process's CPU time: with --threads 1, what other jobs on a shared machine take is left out")
+    p.add_argument(
+        "--moe-share",
+        action="store_true",
+        help="also print the MoE blocks' share of a step (forward + backward) of the stock and the patched model",
+    )
+    p.add_argument(
+        "--layer-floor",
+        action="store_true",
+        help="also time one MoE block alone (forward + backward), stock and patched, against its expert matmuls alone",
+    )
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with this process's CPU time: with --threads 1, what other jobs on a shared machine take is left out",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -284,32 +359,63 @@ def main(argv=None):
         return torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
 
     clock = "CPU time" if args.cpu_time else "wall-clock"
-    print(f"device {device}, {args.precision}, {torch.get_num_threads()} threads, {clock}, batch {args.batch} x {args.seq} tokens, "
-          f"{args.layers} layers, vocabulary {VOCAB}, {args.reps} repetitions after {max(1, args.warmup)} untimed steps; "
-          "ratios: median of the repetitions' (lowest-highest)")
-    print("| arch | D, F, E, k | stock s/step | patched s/step | ours s/step | stock / patched | stock / ours | first-step losses (stock, patched, ours) |")
+    print(
+        f"device {device}, {args.precision}, {torch.get_num_threads()} threads, {clock}, batch {args.batch} x {args.seq} tokens, "
+        f"{args.layers} layers, vocabulary {VOCAB}, {args.reps} repetitions after {max(1, args.warmup)} untimed steps; "
+        "ratios: median of the repetitions' (lowest-highest)"
+    )
+    print(
+        "| arch | D, F, E, k | stock s/step | patched s/step | ours s/step | stock / patched | stock / ours | first-step losses (stock, patched, ours) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for arch in args.archs:
         models = models_for(arch, args.layers, args.seq)
         torch.manual_seed(1)
         ids_BL = torch.randint(0, VOCAB, (args.batch, args.seq), device=device)
-        r = measure(models, ids_BL, args.reps, device, autocast, time.process_time if args.cpu_time else time.perf_counter, max(1, args.warmup))
+        r = measure(
+            models,
+            ids_BL,
+            args.reps,
+            device,
+            autocast,
+            time.process_time if args.cpu_time else time.perf_counter,
+            max(1, args.warmup),
+        )
         t, loss = r["time"], r["loss"]
         ratio = {n: f"{r['ratios'][n]:.2f}x ({lo:.2f}-{hi:.2f})" for n, (lo, hi) in r["spread"].items()}
         cell = lambda d, k, fmt="": format(d[k], fmt) if k in d else "-"  # noqa: E731
-        impl = getattr(models["stock"].config, "_experts_implementation", None)  # transformers' own choice for the stock experts
-        print(f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
-              f"{ratio['patched']} | {cell(ratio, 'ours')} | "
-              f"{', '.join(f'{loss[n]:.5f}' for n in loss)} |", flush=True)
+        impl = getattr(
+            models["stock"].config, "_experts_implementation", None
+        )  # transformers' own choice for the stock experts
+        print(
+            f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
+            f"{ratio['patched']} | {cell(ratio, 'ours')} | "
+            f"{', '.join(f'{loss[n]:.5f}' for n in loss)} |",
+            flush=True,
+        )
         if args.moe_share:
-            shares = {n: moe_share(models[n], make_step(models[n], ids_BL, autocast), clock=time.process_time if args.cpu_time else time.perf_counter)
-                      for n in ("stock", "patched")}
-            print(f"  {arch}: MoE blocks' share of a step: stock {shares['stock']:.0%}, patched {shares['patched']:.0%}", flush=True)
+            shares = {
+                n: moe_share(
+                    models[n],
+                    make_step(models[n], ids_BL, autocast),
+                    clock=time.process_time if args.cpu_time else time.perf_counter,
+                )
+                for n in ("stock", "patched")
+            }
+            print(
+                f"  {arch}: MoE blocks' share of a step: stock {shares['stock']:.0%}, patched {shares['patched']:.0%}",
+                flush=True,
+            )
         del models
         if args.layer_floor:
-            f = layer_floor(arch, args.batch, args.seq, args.reps, clock=time.process_time if args.cpu_time else time.perf_counter)
-            print(f"  {arch}: one MoE block, forward + backward: stock {f['stock'] * 1e3:.0f} ms, patched {f['patched'] * 1e3:.0f} ms "
-                  f"({f['stock'] / f['patched']:.2f}x), its expert matmuls alone {f['expert matmuls'] * 1e3:.0f} ms", flush=True)
+            f = layer_floor(
+                arch, args.batch, args.seq, args.reps, clock=time.process_time if args.cpu_time else time.perf_counter
+            )
+            print(
+                f"  {arch}: one MoE block, forward + backward: stock {f['stock'] * 1e3:.0f} ms, patched {f['patched'] * 1e3:.0f} ms "
+                f"({f['stock'] / f['patched']:.2f}x), its expert matmuls alone {f['expert matmuls'] * 1e3:.0f} ms",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

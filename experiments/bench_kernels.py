@@ -21,6 +21,7 @@ Bytes counted (minimum traffic, every tensor read or written once):
   combine bwd    read grad [T, D] and y [S, D], write grad_y [S, D], read dest and weights, write grad_w
   AdamW          read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (+ bf16 copy)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,6 @@ import torch
 
 import routing_kernels as rk
 from routing_kernels import reference as ref
-
 
 # --- timing -------------------------------------------------------------------------------------
 
@@ -105,8 +105,18 @@ class Bench:
         return 2 * (nbytes // 2) / t
 
     def add(self, op, shape, nbytes, t_kernel, t_ref=None, t_torch_fused=None, err=None, note=""):
-        self.rows.append(dict(op=op, shape=shape, bytes=nbytes, t_kernel=t_kernel, t_ref=t_ref,
-                              t_torch_fused=t_torch_fused, err=err, note=note))
+        self.rows.append(
+            dict(
+                op=op,
+                shape=shape,
+                bytes=nbytes,
+                t_kernel=t_kernel,
+                t_ref=t_ref,
+                t_torch_fused=t_torch_fused,
+                err=err,
+                note=note,
+            )
+        )
 
 
 def _fmt_ms(t):
@@ -114,19 +124,33 @@ def _fmt_ms(t):
 
 
 def _table(rows, copy_bw) -> str:
-    head = ("| op | shape | MB moved | time ms | GB/s | % of copy | reference ms | × vs reference "
-            "| torch fused ms | × vs torch fused | max err |")
+    head = (
+        "| op | shape | MB moved | time ms | GB/s | % of copy | reference ms | × vs reference "
+        "| torch fused ms | × vs torch fused | max err |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         bw = r["bytes"] / r["t_kernel"] if r["bytes"] else None
-        lines.append("| " + " | ".join([
-            r["op"], r["shape"], f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "—", _fmt_ms(r["t_kernel"]),
-            "—" if bw is None else f"{bw / 1e9:.1f}", "—" if bw is None else f"{100 * bw / copy_bw:.0f}%",
-            _fmt_ms(r["t_ref"]), "—" if r["t_ref"] is None else f"{r['t_ref'] / r['t_kernel']:.2f}",
-            _fmt_ms(r["t_torch_fused"]),
-            "—" if r["t_torch_fused"] is None else f"{r['t_torch_fused'] / r['t_kernel']:.2f}",
-            "—" if r["err"] is None else f"{r['err']:.1e}",
-        ]) + " |" + (f" {r['note']}" if r["note"] else ""))
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["op"],
+                    r["shape"],
+                    f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "—",
+                    _fmt_ms(r["t_kernel"]),
+                    "—" if bw is None else f"{bw / 1e9:.1f}",
+                    "—" if bw is None else f"{100 * bw / copy_bw:.0f}%",
+                    _fmt_ms(r["t_ref"]),
+                    "—" if r["t_ref"] is None else f"{r['t_ref'] / r['t_kernel']:.2f}",
+                    _fmt_ms(r["t_torch_fused"]),
+                    "—" if r["t_torch_fused"] is None else f"{r['t_torch_fused'] / r['t_kernel']:.2f}",
+                    "—" if r["err"] is None else f"{r['err']:.1e}",
+                ]
+            )
+            + " |"
+            + (f" {r['note']}" if r["note"] else "")
+        )
     return "\n".join(lines)
 
 
@@ -159,8 +183,15 @@ def bench_routing(b: Bench, T: int, D: int, K: int, E: int, dtype: torch.dtype, 
 
         got = tops.routing_metadata(ids_TK, E)
         exact = all(torch.equal(x, y) for x, y in zip(got, (counts_E, offsets_E1, dest_TK)))
-        b.add("routing_metadata", shape, meta_bytes, b.time(lambda: tops.routing_metadata(ids_TK, E)), t_ref,
-              err=0.0 if exact else float("inf"), note="" if exact else "MISMATCH vs reference")
+        b.add(
+            "routing_metadata",
+            shape,
+            meta_bytes,
+            b.time(lambda: tops.routing_metadata(ids_TK, E)),
+            t_ref,
+            err=0.0 if exact else float("inf"),
+            note="" if exact else "MISMATCH vs reference",
+        )
     else:
         b.add("routing_metadata (reference)", shape, meta_bytes, t_ref)
 
@@ -199,22 +230,45 @@ def bench_routing(b: Bench, T: int, D: int, K: int, E: int, dtype: torch.dtype, 
     from routing_kernels import triton_ops as tops
 
     got = tops._permute_launch(x_TD, dest_TK, S)
-    b.add("permute", shape, perm_bytes, b.time(lambda: tops._permute_launch(x_TD, dest_TK, S)), t_ref_perm,
-          err=_max_err(got, want_SD))
+    b.add(
+        "permute",
+        shape,
+        perm_bytes,
+        b.time(lambda: tops._permute_launch(x_TD, dest_TK, S)),
+        t_ref_perm,
+        err=_max_err(got, want_SD),
+    )
     (want,) = torch.autograd.grad(ref_perm_out, x_req, g_SD, retain_graph=True)
     got = tops._permute_bwd_launch(g_SD, dest_TK, T)
-    b.add("permute bwd", shape, perm_bytes, b.time(lambda: tops._permute_bwd_launch(g_SD, dest_TK, T)),
-          t_ref_perm_bwd, err=_max_err(got, want))
+    b.add(
+        "permute bwd",
+        shape,
+        perm_bytes,
+        b.time(lambda: tops._permute_bwd_launch(g_SD, dest_TK, T)),
+        t_ref_perm_bwd,
+        err=_max_err(got, want),
+    )
     got = tops._unpermute_combine_launch(y_SD, dest_TK, w_TK)
-    b.add("unpermute_combine", shape, comb_bytes, b.time(lambda: tops._unpermute_combine_launch(y_SD, dest_TK, w_TK)),
-          t_ref_comb, err=_max_err(got, ref_comb_out.detach()))
+    b.add(
+        "unpermute_combine",
+        shape,
+        comb_bytes,
+        b.time(lambda: tops._unpermute_combine_launch(y_SD, dest_TK, w_TK)),
+        t_ref_comb,
+        err=_max_err(got, ref_comb_out.detach()),
+    )
     want_y, want_w = torch.autograd.grad(ref_comb_out, (y_req, w_req), g_TD, retain_graph=True)
     got_y, got_w = tops._unpermute_combine_bwd_launch(g_TD, y_SD, dest_TK, w_TK, True, True)
     # grad_w is a dot product over D: compare relative to its scale
     err_w = _max_err(got_w, want_w) / max(want_w.abs().max().item(), 1e-30)
-    b.add("unpermute_combine bwd", shape, comb_bwd_bytes,
-          b.time(lambda: tops._unpermute_combine_bwd_launch(g_TD, y_SD, dest_TK, w_TK, True, True)), t_ref_comb_bwd,
-          err=max(_max_err(got_y, want_y), err_w))
+    b.add(
+        "unpermute_combine bwd",
+        shape,
+        comb_bwd_bytes,
+        b.time(lambda: tops._unpermute_combine_bwd_launch(g_TD, y_SD, dest_TK, w_TK, True, True)),
+        t_ref_comb_bwd,
+        err=max(_max_err(got_y, want_y), err_w),
+    )
     # the same data through the autograd wrapper, to show the wrapper adds nothing measurable
     with rk.use_backend("triton"):
         b.add("permute via rk.permute", shape, perm_bytes, b.time(lambda: rk.permute(x_TD, dest_TK, S)), t_ref_perm)
@@ -225,19 +279,42 @@ def bench_routing(b: Bench, T: int, D: int, K: int, E: int, dtype: torch.dtype, 
         row_cfgs = [(None, None, 4), (1, 1024, 4), (2, 2048, 8), (8, 1024, 8), (16, 512, 4), (4, 2048, 16)]
         bwd_cfgs = [(None, None, 4), (1, 1024, 4), (1, 2048, 8), (4, 1024, 8), (8, 512, 8), (2, 2048, 16)]
         for op, nbytes, cfgs, launch in [
-            ("permute", perm_bytes, row_cfgs,
-             lambda c: tops._permute_launch(x_TD, dest_TK, S, block_t=c[0], block_d=c[1], num_warps=c[2])),
-            ("permute bwd", perm_bytes, row_cfgs,
-             lambda c: tops._permute_bwd_launch(g_SD, dest_TK, T, block_t=c[0], block_d=c[1], num_warps=c[2])),
-            ("unpermute_combine", comb_bytes, row_cfgs,
-             lambda c: tops._unpermute_combine_launch(y_SD, dest_TK, w_TK, block_t=c[0], block_d=c[1], num_warps=c[2])),
-            ("unpermute_combine bwd", comb_bwd_bytes, bwd_cfgs,
-             lambda c: tops._unpermute_combine_bwd_launch(g_TD, y_SD, dest_TK, w_TK, True, True, block_t=c[0],
-                                                          block_d=c[1], num_warps=c[2])),
+            (
+                "permute",
+                perm_bytes,
+                row_cfgs,
+                lambda c: tops._permute_launch(x_TD, dest_TK, S, block_t=c[0], block_d=c[1], num_warps=c[2]),
+            ),
+            (
+                "permute bwd",
+                perm_bytes,
+                row_cfgs,
+                lambda c: tops._permute_bwd_launch(g_SD, dest_TK, T, block_t=c[0], block_d=c[1], num_warps=c[2]),
+            ),
+            (
+                "unpermute_combine",
+                comb_bytes,
+                row_cfgs,
+                lambda c: tops._unpermute_combine_launch(
+                    y_SD, dest_TK, w_TK, block_t=c[0], block_d=c[1], num_warps=c[2]
+                ),
+            ),
+            (
+                "unpermute_combine bwd",
+                comb_bwd_bytes,
+                bwd_cfgs,
+                lambda c: tops._unpermute_combine_bwd_launch(
+                    g_TD, y_SD, dest_TK, w_TK, True, True, block_t=c[0], block_d=c[1], num_warps=c[2]
+                ),
+            ),
         ]:
             for cfg in cfgs:
-                b.sweep_point(op, f"BLOCK_T={cfg[0]} BLOCK_D={cfg[1]} warps={cfg[2]}", nbytes,
-                              lambda launch=launch, cfg=cfg: launch(cfg))
+                b.sweep_point(
+                    op,
+                    f"BLOCK_T={cfg[0]} BLOCK_D={cfg[1]} warps={cfg[2]}",
+                    nbytes,
+                    lambda launch=launch, cfg=cfg: launch(cfg),
+                )
 
 
 # --- AdamW --------------------------------------------------------------------------------------
@@ -264,9 +341,21 @@ def bench_adamw(b: Bench, N: int, use_triton: bool):
         step_t = torch.tensor(10.0, device=dev)
 
         def torch_step():
-            torch._fused_adamw_([p], [grad], [m], [v], [], [step_t], lr=hp["lr"], beta1=hp["beta1"],
-                                beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
-                                amsgrad=False, maximize=False)
+            torch._fused_adamw_(
+                [p],
+                [grad],
+                [m],
+                [v],
+                [],
+                [step_t],
+                lr=hp["lr"],
+                beta1=hp["beta1"],
+                beta2=hp["beta2"],
+                weight_decay=hp["weight_decay"],
+                eps=hp["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
 
         try:
             t_torch = b.time(torch_step)
@@ -289,18 +378,34 @@ def bench_adamw(b: Bench, N: int, use_triton: bool):
     copy_exact = torch.equal(copy_bf16, pc.bfloat16())
     del pc, mc, vc, pr, mr, vr
 
-    b.add("AdamW fp32 grad", shape, fp32_bytes, b.time(lambda: tops.fused_adamw(p, grad, m, v, step=10, **hp)),
-          t_ref, t_torch, err=err, note="err: max relative to the largest |param|, |exp_avg_sq|")
+    b.add(
+        "AdamW fp32 grad",
+        shape,
+        fp32_bytes,
+        b.time(lambda: tops.fused_adamw(p, grad, m, v, step=10, **hp)),
+        t_ref,
+        t_torch,
+        err=err,
+        note="err: max relative to the largest |param|, |exp_avg_sq|",
+    )
     if b.sweep:
         for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]:
-            b.sweep_point("AdamW fp32 grad", f"BLOCK={block} warps={warps}", fp32_bytes,
-                          lambda block=block, warps=warps: tops._fused_adamw_launch(
-                              p, grad, m, v, step=10, grad_scale=1.0, param_copy=None, block=block,
-                              num_warps=warps, **hp))
+            b.sweep_point(
+                "AdamW fp32 grad",
+                f"BLOCK={block} warps={warps}",
+                fp32_bytes,
+                lambda block=block, warps=warps: tops._fused_adamw_launch(
+                    p, grad, m, v, step=10, grad_scale=1.0, param_copy=None, block=block, num_warps=warps, **hp
+                ),
+            )
     grad_bf16 = grad.bfloat16()
-    b.add("AdamW bf16 grad + bf16 copy", shape, N * (4 * 6 + 2 + 2),
-          b.time(lambda: tops.fused_adamw(p, grad_bf16, m, v, step=10, param_copy=copy_bf16, **hp)),
-          note="bf16 copy == round(master): " + ("yes" if copy_exact else "NO"))
+    b.add(
+        "AdamW bf16 grad + bf16 copy",
+        shape,
+        N * (4 * 6 + 2 + 2),
+        b.time(lambda: tops.fused_adamw(p, grad_bf16, m, v, step=10, param_copy=copy_bf16, **hp)),
+        note="bf16 copy == round(master): " + ("yes" if copy_exact else "NO"),
+    )
 
 
 # --- correctness at odd sizes on this device --------------------------------------------------
@@ -324,8 +429,14 @@ def odd_size_checks(device) -> list[str]:
             failures.append(f"{name}: {str(e).splitlines()[0] if str(e) else 'mismatch'}")
 
     # (T, K, E, D, drop): odd T and D, k = 1, k = E, empty experts, dropped slots, one token
-    for T, K, E, D, drop in [(37, 3, 5, 13, 0.2), (50, 1, 7, 24, 0.0), (19, 4, 4, 4097, 0.1), (1, 2, 13, 5, 0.0),
-                             (1000, 2, 300, 130, 0.05), (9, 2, 3, 8, 1.0)]:
+    for T, K, E, D, drop in [
+        (37, 3, 5, 13, 0.2),
+        (50, 1, 7, 24, 0.0),
+        (19, 4, 4, 4097, 0.1),
+        (1, 2, 13, 5, 0.0),
+        (1000, 2, 300, 130, 0.05),
+        (9, 2, 3, 8, 1.0),
+    ]:
         scores = torch.rand(T, E, device=device, generator=g)
         scores[:, : E // 3] = -1  # the first third of the experts stays empty
         ids_TK = scores.topk(K, dim=1).indices
@@ -352,7 +463,9 @@ def odd_size_checks(device) -> list[str]:
             check(f"unpermute_combine {c}", out_c, want_c, **tol)
             g_S = torch.randn_like(want_p)
             g_T = torch.randn_like(want_c)
-            check(f"permute bwd {c}", torch.autograd.grad(out_p, x, g_S)[0], torch.autograd.grad(want_p, x, g_S)[0], **tol)
+            check(
+                f"permute bwd {c}", torch.autograd.grad(out_p, x, g_S)[0], torch.autograd.grad(want_p, x, g_S)[0], **tol
+            )
             got = torch.autograd.grad(out_c, (y, w), g_T)
             want = torch.autograd.grad(want_c, (y, w), g_T)
             check(f"unpermute_combine bwd y {c}", got[0], want[0], **tol)
@@ -419,14 +532,19 @@ def main(argv=None):
     else:
         name = "CPU"
         # the interpreter is far too slow to time, and CPU figures say nothing about the GPU kernels
-        print("No CUDA device: timing the torch references only, at small sizes. "
-              "The Triton figures need a GPU (run this same command there).\n")
+        print(
+            "No CUDA device: timing the torch references only, at small sizes. "
+            "The Triton figures need a GPU (run this same command there).\n"
+        )
         T, D, N = args.tokens or 4096, args.dim or 512, int(args.adam_params or 4e6)
     dtype = getattr(torch, args.dtype)
 
     b = Bench(device, sweep=use_triton and not args.no_sweep)
     copy_bw = b.copy_bandwidth(1 << 30 if cuda else 1 << 27)
-    print(f"device: {name}; torch {torch.__version__}" + (f"; triton {__import__('triton').__version__}" if use_triton else ""))
+    print(
+        f"device: {name}; torch {torch.__version__}"
+        + (f"; triton {__import__('triton').__version__}" if use_triton else "")
+    )
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
     if use_triton:
         failures = odd_size_checks(device)

@@ -30,6 +30,7 @@ run (8192^3 in the same dtype on the GPU, 2048^3 on the CPU). ``--mfu --tiny`` r
 
 Shapes follow the project's legend (docs/design.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,9 @@ import time
 import torch
 
 import routing_kernels as rk
+from experiments.bench_kernels import cuda_event_median
 from moe import MoEConfig, MoELayer, Transformer, TransformerConfig
 from moe.experts import DenseFFN
-from experiments.bench_kernels import cuda_event_median
 
 SHAPES = {
     # name: (T, D, F, E, K)
@@ -73,7 +74,9 @@ def _median_time(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048, rest: float = 2.0, per_core: bool = False):
+def measure_side_by_side(
+    layer, x_TD, grad_TD, flops: float, reps: int, n: int = 2048, rest: float = 2.0, per_core: bool = False
+):
     """Alternate three n^3 matmuls with one layer step, ``reps`` times; each pair gives one
     fraction, so a neighbour's load that slows both for a while cancels in the ratio. Returns the
     medians of layer time, matmul rate, fraction, and the fraction against the per-core rate.
@@ -117,7 +120,12 @@ def measure_side_by_side(layer, x_TD, grad_TD, flops: float, reps: int, n: int =
         fracs.append(flops / t_layer / rate)
         if per_core:
             core_fracs.append(flops / t_layer / cores[-1])
-    return statistics.median(times), statistics.median(rates), statistics.median(fracs), statistics.median(core_fracs) if per_core else None
+    return (
+        statistics.median(times),
+        statistics.median(rates),
+        statistics.median(fracs),
+        statistics.median(core_fracs) if per_core else None,
+    )
 
 
 def ideal_expert_flops(T: int, D: int, F: int, K: int, matmuls: int = 3) -> float:
@@ -247,7 +255,10 @@ def _grouped_mm_probe(T, D, F, E, K, dtype, reps):
         yb, gb = run(True)
     except Exception as exc:  # report, do not fail the benchmark: this is a probe
         return f"_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}"
-    err = max(((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item() for a, b in zip((ya, *ga), (yb, *gb)))
+    err = max(
+        ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
+        for a, b in zip((ya, *ga), (yb, *gb))
+    )
     t_loop, t_grouped = cuda_event_median(lambda: run(False), reps), cuda_event_median(lambda: run(True), reps)
     return f"max rel diff {err:.2e}; per-expert loop {t_loop * 1e3:.2f} ms, _grouped_mm {t_grouped * 1e3:.2f} ms ({t_loop / t_grouped:.2f}x)"
 
@@ -264,8 +275,10 @@ def gpu_main(args) -> None:
         dense = DenseFFN(D, K * F).cuda().to(dtype)
         x = torch.randn(T, D, device="cuda", dtype=dtype, requires_grad=True)
         g = torch.randn(T, D, device="cuda", dtype=dtype)
-        times = {"layer": cuda_event_median(lambda: layer_step(layer, x, g), args.reps),
-                 "dense": cuda_event_median(lambda: layer_step(dense, x, g), args.reps)}
+        times = {
+            "layer": cuda_event_median(lambda: layer_step(layer, x, g), args.reps),
+            "dense": cuda_event_median(lambda: layer_step(dense, x, g), args.reps),
+        }
         if args.compile:
             # the same modules compiled (Inductor); a warm-up call inside cuda_event_median compiles
             for key, module in (("layer_c", layer), ("dense_c", dense)):
@@ -279,7 +292,10 @@ def gpu_main(args) -> None:
         torch.cuda.empty_cache()
     print()
     compiled_head = " compiled layer (ms) | compiled dense (ms) | compiled dense/layer |" if args.compile else ""
-    print("| shape | T | D | F | E | k | layer fwd+bwd (ms) | dense FFN, same FLOPs (ms) | dense/layer | layer TFLOP/s |" + compiled_head)
+    print(
+        "| shape | T | D | F | E | k | layer fwd+bwd (ms) | dense FFN, same FLOPs (ms) | dense/layer | layer TFLOP/s |"
+        + compiled_head
+    )
     print("| --- " * (10 + 3 * args.compile) + "|")
     for name, T, D, F, E, K, tm, flops, _ in rows:
         line = f"| {name} | {T} | {D} | {F} | {E} | {K} | {tm['layer'] * 1e3:.2f} | {tm['dense'] * 1e3:.2f} | {tm['dense'] / tm['layer']:.2f} | {flops / tm['layer'] / 1e12:.0f} |"
@@ -296,10 +312,26 @@ def gpu_main(args) -> None:
 
 # model=base (conf/model/base.yaml) with moe=mixtral (conf/moe/mixtral.yaml) and data=tokens'
 # vocabulary, as plain values: the GPU box has no hydra (tests/test_bench.py checks they match)
-BASE = dict(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, d_ff=2048, moe_every=2, tie_embeddings=True,
-            moe=dict(num_experts=8, top_k=2))
-TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128, moe_every=2, tie_embeddings=True,
-            moe=dict(num_experts=4, top_k=2))
+BASE = dict(
+    vocab_size=50304,
+    d_model=768,
+    n_layers=12,
+    n_heads=12,
+    d_ff=2048,
+    moe_every=2,
+    tie_embeddings=True,
+    moe=dict(num_experts=8, top_k=2),
+)
+TINY = dict(
+    vocab_size=256,
+    d_model=64,
+    n_layers=2,
+    n_heads=2,
+    d_ff=128,
+    moe_every=2,
+    tie_embeddings=True,
+    moe=dict(num_experts=4, top_k=2),
+)
 
 
 def build_transformer(spec: dict, seq_len: int) -> Transformer:
@@ -330,8 +362,16 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> 
     return 2 * n**3 / _timer(device)(lambda: a @ b, reps)
 
 
-def train_step_mfu(spec: dict, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype, compile_blocks: bool,
-                   reps: int, matmul_n: int) -> dict:
+def train_step_mfu(
+    spec: dict,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    compile_blocks: bool,
+    reps: int,
+    matmul_n: int,
+) -> dict:
     """Median step time of forward + backward + AdamW on a fixed batch, its model FLOP/s, the dense
     matmul rate measured right after (same device and dtype) and their ratio, the MFU."""
     torch.manual_seed(0)
@@ -351,8 +391,14 @@ def train_step_mfu(spec: dict, batch: int, seq_len: int, device: torch.device, d
     t_step = _timer(device)(step, reps)
     flops = model_flops(model, batch * seq_len, seq_len)
     rate = matmul_rate(device, dtype, matmul_n, reps)
-    return {"step_s": t_step, "model_flops": flops, "achieved": flops / t_step, "matmul_rate": rate, "mfu": flops / t_step / rate,
-            "params": model.param_counts()}
+    return {
+        "step_s": t_step,
+        "model_flops": flops,
+        "achieved": flops / t_step,
+        "matmul_rate": rate,
+        "mfu": flops / t_step / rate,
+        "params": model.param_counts(),
+    }
 
 
 def mfu_main(args) -> None:
@@ -363,34 +409,59 @@ def mfu_main(args) -> None:
     if args.tiny:
         n = 256
     variants = [False, True] if args.compile else [False]
-    print(f"training step, {'tiny' if args.tiny else 'model=base'} ({batch} x {seq_len} tokens), {args.dtype} weights, AdamW, {device}")
+    print(
+        f"training step, {'tiny' if args.tiny else 'model=base'} ({batch} x {seq_len} tokens), {args.dtype} weights, AdamW, {device}"
+    )
     print("| compiled | step (ms) | model TFLOP/step | achieved TFLOP/s | dense matmul TFLOP/s | MFU |")
     print("| --- | --- | --- | --- | --- | --- |")
     for compiled in variants:
         r = train_step_mfu(spec, batch, seq_len, device, dtype, compiled, args.reps, n)
-        print(f"| {'yes' if compiled else 'no'} | {r['step_s'] * 1e3:.1f} | {r['model_flops'] / 1e12:.3f} | {r['achieved'] / 1e12:.1f} | "
-              f"{r['matmul_rate'] / 1e12:.1f} | {r['mfu']:.2f} |")
+        print(
+            f"| {'yes' if compiled else 'no'} | {r['step_s'] * 1e3:.1f} | {r['model_flops'] / 1e12:.3f} | {r['achieved'] / 1e12:.1f} | "
+            f"{r['matmul_rate'] / 1e12:.1f} | {r['mfu']:.2f} |"
+        )
         torch._dynamo.reset()
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=None, choices=list(GPU_SHAPES), help="default: S1 S2 (CPU), all (GPU)")
+    ap.add_argument(
+        "--shapes", nargs="+", default=None, choices=list(GPU_SHAPES), help="default: S1 S2 (CPU), all (GPU)"
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 (CPU), bfloat16 (GPU)")
+    ap.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 (CPU), bfloat16 (GPU)"
+    )
     ap.add_argument("--grouped-mm", action="store_true", help="GPU: also probe torch._grouped_mm for the experts")
-    ap.add_argument("--compile", action="store_true", help="GPU and --mfu: also time the torch.compile'd layer / blocks")
+    ap.add_argument(
+        "--compile", action="store_true", help="GPU and --mfu: also time the torch.compile'd layer / blocks"
+    )
     ap.add_argument("--mfu", action="store_true", help="time a model=base training step instead and report its MFU")
     ap.add_argument("--tiny", action="store_true", help="with --mfu: a small model, a check that the code runs")
     ap.add_argument("--mfu-batch", type=int, default=8, help="with --mfu: sequences per step")
     ap.add_argument("--mfu-seq", type=int, default=1024, help="with --mfu: tokens per sequence")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
-    ap.add_argument("--per-core", action="store_true", help="also time the 2048^3 matmul on one thread in each pair (see measure_side_by_side)")
-    ap.add_argument("--rest", type=float, default=2.0, help="seconds idle before each matmul + layer pair (see measure_side_by_side)")
+    ap.add_argument(
+        "--per-core",
+        action="store_true",
+        help="also time the 2048^3 matmul on one thread in each pair (see measure_side_by_side)",
+    )
+    ap.add_argument(
+        "--rest",
+        type=float,
+        default=2.0,
+        help="seconds idle before each matmul + layer pair (see measure_side_by_side)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's choice)")
-    ap.add_argument("--cpu-time", action="store_true", help="time in process CPU time; use with --threads 1 on a busy machine")
-    ap.add_argument("--keep-freed-memory", action="store_true", help="glibc: no mmap for large blocks, no trimming (see keep_freed_memory)")
+    ap.add_argument(
+        "--cpu-time", action="store_true", help="time in process CPU time; use with --threads 1 on a busy machine"
+    )
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc: no mmap for large blocks, no trimming (see keep_freed_memory)",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible")
@@ -419,14 +490,18 @@ def main(argv=None):
     torch.set_grad_enabled(True)
     malloc = "glibc, freed memory kept" if args.keep_freed_memory else "glibc defaults"
     clock = "process CPU time" if args.cpu_time else "wall clock"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {clock}, median of {args.reps}, malloc: {malloc}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {clock}, median of {args.reps}, malloc: {malloc}"
+    )
     rows = []
     # the headline figures first, every shape back to back; the slower breakdown afterwards
     for name in args.shapes:
         T, D, F, E, K = SHAPES[name]
         layer, x_TD, grad_TD = make_layer(T, D, F, E, K)
         flops = ideal_expert_flops(T, D, F, K)
-        t_layer, rate, frac, per_core = measure_side_by_side(layer, x_TD, grad_TD, flops, args.reps, rest=args.rest, per_core=args.per_core)
+        t_layer, rate, frac, per_core = measure_side_by_side(
+            layer, x_TD, grad_TD, flops, args.reps, rest=args.rest, per_core=args.per_core
+        )
         faults = page_faults(lambda: layer_step(layer, x_TD, grad_TD))
         rows.append((name, T, D, F, E, K, t_layer, flops / t_layer / 1e9, rate / 1e9, frac, per_core, faults))
         del layer, x_TD, grad_TD
@@ -436,11 +511,15 @@ def main(argv=None):
         print(f"{name} phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()))
 
     print()
-    print("| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | per-core fraction | page faults/step |")
+    print(
+        "| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | per-core fraction | page faults/step |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, T, D, F, E, K, t, gf, mr, frac, per_core, faults in rows:
         core = "-" if per_core is None else f"{per_core:.2f}"
-        print(f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} | {core} | {faults} |")
+        print(
+            f"| {name} | {T} | {D} | {F} | {E} | {K} | {t:.3f} | {gf:.1f} | {mr:.1f} | {frac:.2f} | {core} | {faults} |"
+        )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Part 2 (trainer). ``experiments.train`` on 4 gloo ranks, ``parallel=pp2_ep2_zero
 of each, and their ratio. On a 2-core machine 4 ranks share the cores, so this is the overhead of
 the pipeline's extra communication and bubble under contention, not a speed-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -132,8 +133,11 @@ def _compute_actions(pipe: Pipeline) -> dict[int, list[list]]:
     groups that start together: one action, or an overlapped forward-backward pair (DualPipeV),
     which torch's runtime starts only once the inputs of both halves have arrived."""
     sched = pipe.schedule
-    order = sched._get_pipeline_order() if hasattr(sched, "_get_pipeline_order") and not hasattr(sched, "pipeline_order") \
+    order = (
+        sched._get_pipeline_order()
+        if hasattr(sched, "_get_pipeline_order") and not hasattr(sched, "pipeline_order")
         else sched.pipeline_order
+    )
     out = {}
     for rank, actions in order.items():
         groups = []
@@ -163,7 +167,11 @@ def simulate(actions: dict[int, list[list]], num_stages: int) -> float:
     with F, I and W one unit each, a full backward two, and communication free. Returns the worst
     rank's idle fraction."""
     dur = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
-    key = lambda a: ("G" if a.computation_type.value in "IB" else a.computation_type.value, a.stage_index, a.microbatch_index)  # noqa: E731
+    key = lambda a: (
+        "G" if a.computation_type.value in "IB" else a.computation_type.value,
+        a.stage_index,
+        a.microbatch_index,
+    )  # noqa: E731
     finish: dict[tuple, float] = {}
     free = {r: 0.0 for r in actions}
     busy = {r: 0.0 for r in actions}
@@ -175,8 +183,12 @@ def simulate(actions: dict[int, list[list]], num_stages: int) -> float:
             while pos[r] < len(groups):
                 group = groups[pos[r]]
                 inside = {key(a) for a in group}
-                deps = [d for a in group for d in _deps(a.computation_type.value, a.stage_index, a.microbatch_index, num_stages)
-                        if d not in inside]
+                deps = [
+                    d
+                    for a in group
+                    for d in _deps(a.computation_type.value, a.stage_index, a.microbatch_index, num_stages)
+                    if d not in inside
+                ]
                 if any(d not in finish for d in deps):
                     break
                 t = max([free[r]] + [finish[d] for d in deps])
@@ -220,7 +232,9 @@ def _schedules(rank, world, args, q):
                 continue
             chunks = [Chunk([TimedLayer(args.d, t)]) for _ in plan.stages_of(layout.pp_rank)]
             holder = nn.ModuleList(chunks)
-            engine = ZeroEngine(holder, layout, blocks=chunks, entries=chunks, optimizer=lambda g: torch.optim.SGD(g, lr=0.0))
+            engine = ZeroEngine(
+                holder, layout, blocks=chunks, entries=chunks, optimizer=lambda g: torch.optim.SGD(g, lr=0.0)
+            )
             pipe = Pipeline(chunks, plan, layout, engine, loss_fn=lambda out, y: out.mean())
             pipe.loss_scale = 1.0 / m
             # requires grad, so the first stage saves its activation like any other
@@ -265,11 +279,22 @@ def _trainer(rank, world, args, q):
 
     init_rank(rank, world, args.port, timeout_s=600)
     torch.set_num_threads(1)
-    base = ["model=tiny", "logger=none", "train.progress=false", "train.batch_size=16", "train.seq_len=64",
-            f"train.steps={args.trainer_steps}", "train.eval_every=1000", "train.log_every=1000", "train.eval_batches=1"]
+    base = [
+        "model=tiny",
+        "logger=none",
+        "train.progress=false",
+        "train.batch_size=16",
+        "train.seq_len=64",
+        f"train.steps={args.trainer_steps}",
+        "train.eval_every=1000",
+        "train.log_every=1000",
+        "train.eval_batches=1",
+    ]
     results = {}
-    for name, overrides in (("pp=1 ZeRO-3 ep=2 (dp=4)", ["parallel.ep=2", "parallel.zero_stage=3"]),
-                            ("pp=2 x ZeRO-3 ep=2 (dp=2)", ["parallel=pp2_ep2_zero3"])):
+    for name, overrides in (
+        ("pp=1 ZeRO-3 ep=2 (dp=4)", ["parallel.ep=2", "parallel.zero_stage=3"]),
+        ("pp=2 x ZeRO-3 ep=2 (dp=2)", ["parallel=pp2_ep2_zero3"]),
+    ):
         with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
             cfg = compose("train", overrides=[*base, *overrides])
         summary = train(cfg)
@@ -289,7 +314,9 @@ def _launch(fn, world, args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.bench_pipeline", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--op-ms", type=float, default=50.0, help="time of each layer's forward, input- and weight-gradient pass")
+    ap.add_argument(
+        "--op-ms", type=float, default=50.0, help="time of each layer's forward, input- and weight-gradient pass"
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
@@ -301,9 +328,13 @@ def main(argv=None):
     ap.add_argument("--schedules", nargs="+", default=[c for c, _ in CASES], choices=[c for c, _ in CASES])
     args = ap.parse_args(argv)
     assert set(dict(CASES)) == set(SCHEDULES)
-    print(f"each pass of each layer {args.op_ms:g} ms; bubble = 1 - compute / step time on the worst rank; "
-          f"peak activations in micro-batches' worth per stage (ranks 0..p-1)")
-    print("| schedule | p | m | closed form | torch's plan, simulated | measured | within 0.05 | peak activations per rank |")
+    print(
+        f"each pass of each layer {args.op_ms:g} ms; bubble = 1 - compute / step time on the worst rank; "
+        f"peak activations in micro-batches' worth per stage (ranks 0..p-1)"
+    )
+    print(
+        "| schedule | p | m | closed form | torch's plan, simulated | measured | within 0.05 | peak activations per rank |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     peaks = {}
     for p in args.pp:
@@ -315,7 +346,9 @@ def main(argv=None):
             closed, ideal = th
             ok = "yes" if abs(measured - (ideal if closed is None else closed)) <= 0.05 else "no"
             closed, ideal = ("-" if x is None else f"{x:.3f}" for x in (closed, ideal))
-            print(f"| {schedule} | {world} | {m} | {closed} | {ideal} | {measured:.3f} | {ok} | {', '.join(f'{x:.1f}' for x in peak)} |")
+            print(
+                f"| {schedule} | {world} | {m} | {closed} | {ideal} | {measured:.3f} | {ok} | {', '.join(f'{x:.1f}' for x in peak)} |"
+            )
     for p in args.pp:
         if ("gpipe", p, 8) in peaks and ("1f1b", p, 8) in peaks:
             ratio = peaks[("1f1b", p, 8)] / peaks[("gpipe", p, 8)]

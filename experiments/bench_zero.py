@@ -11,6 +11,7 @@ forward). The contenders are built side by side and take turns step by step, eac
 median, so load from other processes on a shared machine falls on all of them alike.
 Runs on gloo (CPU) or NCCL (GPU); imports no hydra or wandb.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,17 +107,21 @@ def _run(rank, world, port, args, out_q):
                 # gradients count as model states: measure before zero_grad drops them
                 measured["bytes"] = _torch_state_bytes(model, opt)
                 opt.zero_grad()
+
             return step, lambda: measured["bytes"]
         stage = int(name[-1])
         engine = ZeroEngine(model, layout, stage=stage, lr=1e-4)
         peak = {"gathered": 0}
         if stage == 3:
             for b in model.blocks:  # after the engine's own pre-hook: the block and its prefetch are in
-                b.register_forward_pre_hook(lambda m, a: peak.__setitem__("gathered", max(peak["gathered"], measure_memory(engine)["gathered"])))
+                b.register_forward_pre_hook(
+                    lambda m, a: peak.__setitem__("gathered", max(peak["gathered"], measure_memory(engine)["gathered"]))
+                )
 
         def step():
             engine.backward(nn.functional.mse_loss(engine(x_TD), y_TD))
             engine.step()
+
         return step, lambda: measure_memory(engine)["device_total"] + peak["gathered"]
 
     names = [n for n in CONTENDERS if n in args.contenders or n == "DDP"]
@@ -157,7 +162,11 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=256, help="rows per rank per step")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--keep-freed-memory", action="store_true", help="glibc: no mmap for large blocks, no trimming (a caching allocator's behaviour)")
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc: no mmap for large blocks, no trimming (a caching allocator's behaviour)",
+    )
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS[1:], help="DDP always runs: it is the baseline")
     args = ap.parse_args(argv)
     if args.keep_freed_memory:
@@ -168,18 +177,24 @@ def main(argv=None):
         # spawned ranks read it when they start.
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
-    args.contenders = [c if c.startswith(("DDP", "FSDP", "Switchyard")) else f"Switchyard ZeRO-{c}" for c in args.contenders]
+    args.contenders = [
+        c if c.startswith(("DDP", "FSDP", "Switchyard")) else f"Switchyard ZeRO-{c}" for c in args.contenders
+    ]
     for c in args.contenders:
         if c not in CONTENDERS:
             raise ValueError(f"--contenders {c!r}: expected some of {CONTENDERS} (or 1, 2, 3 for Switchyard's stages)")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(_run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True)
+    mp.start_processes(
+        _run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True
+    )
     n_params, best, mem = q.get()
     ddp = best["DDP"]
-    print(f"{n_params / 1e6:.1f}M-parameter MLP, {args.world} ranks ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
-          f"{args.tokens} rows/rank, fp32 AdamW; median of {args.steps} interleaved steps"
-          f"{', --keep-freed-memory' if args.keep_freed_memory else ''}")
+    print(
+        f"{n_params / 1e6:.1f}M-parameter MLP, {args.world} ranks ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
+        f"{args.tokens} rows/rank, fp32 AdamW; median of {args.steps} interleaved steps"
+        f"{', --keep-freed-memory' if args.keep_freed_memory else ''}"
+    )
     print("| contender | step (ms) | vs DDP | model states / rank (MB) |")
     print("|---|---|---|---|")
     for name, t in best.items():

@@ -9,6 +9,7 @@ consolidation command. The storage format and its guarantees are ``zero.checkpoi
 after each step (SIGTERM or SIGUSR1 on any rank, agreed by all), ``due()`` / ``save()``, ``close()``,
 and for a preempted run ``hand_over()`` last (submitit's requeue).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ def preemption_signals(environ=os.environ) -> tuple[signal.Signals, ...]:
         name = environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
         s = getattr(signal, "SIG" + name, None)
         if not isinstance(s, signal.Signals):
-            raise ValueError(f"SUBMITIT_PREEMPT_SIGNAL={name!r} is not a signal: expected a name without SIG, e.g. USR2, USR1 or TERM")
+            raise ValueError(
+                f"SUBMITIT_PREEMPT_SIGNAL={name!r} is not a signal: expected a name without SIG, e.g. USR2, USR1 or TERM"
+            )
         if s not in signals:
             signals.append(s)
     return tuple(signals)
@@ -86,8 +89,11 @@ class Preemption:
         handler, self._next = self._next, None
         if callable(handler):
             name = getattr(handler, "__qualname__", repr(handler))
-            print(f"handing {signal.Signals(self.signum).name} over to the handler installed before the trainer's "
-                  f"({getattr(handler, '__module__', '?')}.{name})", flush=True)
+            print(
+                f"handing {signal.Signals(self.signum).name} over to the handler installed before the trainer's "
+                f"({getattr(handler, '__module__', '?')}.{name})",
+                flush=True,
+            )
             handler(self.signum, sys._getframe(0))
 
     def close(self) -> None:
@@ -107,17 +113,27 @@ def check_checkpoint_cfg(cfg) -> None:
     if not isinstance(c.every, int) or c.every < 0:
         raise ValueError(f"train.checkpoint.every={c.every!r} is invalid: expected an integer >= 0 (0: no checkpoints)")
     if not isinstance(c.keep_last, int) or c.keep_last < 2:
-        raise ValueError(f"train.checkpoint.keep_last={c.keep_last!r} is invalid: expected an integer >= 2 (the "
-                         f"newest checkpoint is complete only once written; an older one must survive meanwhile)")
+        raise ValueError(
+            f"train.checkpoint.keep_last={c.keep_last!r} is invalid: expected an integer >= 2 (the "
+            f"newest checkpoint is complete only once written; an older one must survive meanwhile)"
+        )
     if resume not in RESUME_CHOICES and not Path(resume).is_dir():
         raise ValueError(f"train.resume={resume!r} is neither auto, none nor an existing checkpoint directory")
     preemption_signals()  # a bad SUBMITIT_PREEMPT_SIGNAL stops here, before any collective
-    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get("RANK", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+    if (
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("RANK", "0") == "0"
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    ):
         # torchrun shares its rendezvous store with the workers, and a restarted group then reads
         # the previous attempt's addresses and fails to connect (seen with torch 2.13, gloo)
-        print("warning: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, "
-              "or a restarted group fails to connect", file=sys.stderr, flush=True)
+        print(
+            "warning: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, "
+            "or a restarted group fails to connect",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class TrainCheckpoints:
@@ -135,8 +151,13 @@ class TrainCheckpoints:
         self.layout = layout
         self.rank0 = layout.rank == 0
         multi = layout.world > 1
-        self.ckpt = zc.Checkpointer(engine, self.dir if self.dir is not None else ".", keep_last=int(c.keep_last),
-                                    async_save=bool(c.async_save), group=zc.new_group() if multi else None)
+        self.ckpt = zc.Checkpointer(
+            engine,
+            self.dir if self.dir is not None else ".",
+            keep_last=int(c.keep_last),
+            async_save=bool(c.async_save),
+            group=zc.new_group() if multi else None,
+        )
         self.preemption = Preemption(zc.new_group() if multi else None)
         self.last_saved_step: int | None = None
 
@@ -161,8 +182,11 @@ class TrainCheckpoints:
         self.last_saved_step = int(meta["step"])
         if self.rank0:
             w = meta["layout"]
-            print(f"resumed from {path} at step {meta['step']} (saved by world={w['world']} pp={w['pp']} dp={w['dp']} "
-                  f"ep={w['ep']} ZeRO-{w['stage']})", flush=True)
+            print(
+                f"resumed from {path} at step {meta['step']} (saved by world={w['world']} pp={w['pp']} dp={w['dp']} "
+                f"ep={w['ep']} ZeRO-{w['stage']})",
+                flush=True,
+            )
         return dict(meta["extra"], step=int(meta["step"]))
 
     def due(self, done: int, last: bool) -> bool:
@@ -206,11 +230,11 @@ class CheckpointTensors(TensorSource):
         if problem is not None:
             raise ValueError(f"checkpoint {self.path} is incomplete or corrupt: {problem}")
         saved = zc.SafeReader(self.path).read_metadata().state_dict_metadata
-        names = sorted(k[len(zc.PARAM):] for k in saved if k.startswith(zc.PARAM))
+        names = sorted(k[len(zc.PARAM) :] for k in saved if k.startswith(zc.PARAM))
         shapes = {zc.SHAPE + n: torch.empty(saved[zc.SHAPE + n].size, dtype=torch.int64) for n in names}
         zc.read_tensors(self.path, shapes)
         entries = {n: (zc.PARAM + n, torch.Size(shapes[zc.SHAPE + n].tolist())) for n in names}
-        entries.update((k[len(zc.BUFFER):], (k, saved[k].size)) for k in sorted(saved) if k.startswith(zc.BUFFER))
+        entries.update((k[len(zc.BUFFER) :], (k, saved[k].size)) for k in sorted(saved) if k.startswith(zc.BUFFER))
         self._saved = saved
         super().__init__(entries)
 
@@ -234,8 +258,12 @@ def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
     (each is read from its chunks straight into place and written out before the next)."""
     src, out = CheckpointTensors(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    target = write_safetensors(out / "model.safetensors", [(n, src.meta(n)) for n in src.keys()],
-                               ((n, src.get(n)) for n in src.keys()), metadata={"format": "pt", "source": str(src.path)})
+    target = write_safetensors(
+        out / "model.safetensors",
+        [(n, src.meta(n)) for n in src.keys()],
+        ((n, src.get(n)) for n in src.keys()),
+        metadata={"format": "pt", "source": str(src.path)},
+    )
     for extra in ("config.yaml", zc.META):
         if (src.path / extra).is_file():
             shutil.copyfile(src.path / extra, out / extra)
@@ -250,13 +278,20 @@ def saved_model_config(checkpoint: str | Path):
 
     path = Path(checkpoint) / "config.yaml"
     if not path.is_file():
-        raise ValueError(f"checkpoint {checkpoint} has no config.yaml (the trainer saves the resolved config beside "
-                         "the shards); without it the model's architecture is unknown")
+        raise ValueError(
+            f"checkpoint {checkpoint} has no config.yaml (the trainer saves the resolved config beside "
+            "the shards); without it the model's architecture is unknown"
+        )
     return model_config(OmegaConf.load(path))
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def export_hf(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
     """Write the model of a training checkpoint (any layout) as a transformers Mixtral checkpoint
     directory (``moe.hf_mixtral.export_mixtral``), with the architecture from the checkpoint's
     ``config.yaml``. Reads one parameter at a time (the largest: one layer's ``w1``, ``w3`` or
@@ -281,12 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consolidate", help="one model.safetensors (+ config) with full weights, from any layout")
     c.add_argument("checkpoint", help=where)
     c.add_argument("out", help="output directory")
-    x = sub.add_parser("export-hf", help="a transformers Mixtral checkpoint directory (config.json + safetensors), from any layout")
+    x = sub.add_parser(
+        "export-hf", help="a transformers Mixtral checkpoint directory (config.json + safetensors), from any layout"
+    )
     x.add_argument("checkpoint", help=where)
     x.add_argument("out", help="output directory (new or empty)")
-    x.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="the files' dtype (default: the checkpoint's, fp32)")
-    x.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES,
-                   help="split into model-0000i-of-0000n.safetensors files of at most this size (default 5e9)")
+    x.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="the files' dtype (default: the checkpoint's, fp32)"
+    )
+    x.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULT_SHARD_BYTES,
+        help="split into model-0000i-of-0000n.safetensors files of at most this size (default 5e9)",
+    )
     v = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
     v.add_argument("checkpoint")
     args = parser.parse_args(argv)

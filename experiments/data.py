@@ -17,6 +17,7 @@ rank's contiguous slice of it. The union over ranks is therefore exactly the one
 slices are disjoint, and a run can resume at any step. Shapes follow the project's legend
 (docs/design.md): B sequences, L sequence length.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,16 @@ class LMData:
         key = hashlib.sha256(f"{self.seed}/{split}/{step}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
 
-    def get_batch(self, split: str, step: int, global_batch: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1,
-                  microbatches: int = 1):
+    def get_batch(
+        self,
+        split: str,
+        step: int,
+        global_batch: int,
+        seq_len: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        microbatches: int = 1,
+    ):
         """``(x_BL, y_BL)`` int64: this dp rank's B = global/dp rows of the global batch; ``y`` is
         ``x`` shifted by one token. The global batch is ``microbatches`` consecutive global
         micro-batches; the rank's rows are its consecutive share of each, in order, so that when it
@@ -64,13 +73,17 @@ class LMData:
         statistics of a micro-batch (the balancing loss, capacity) then see the same tokens on dp
         ranks together as in one process."""
         if microbatches < 1 or global_batch % (dp_size * microbatches):
-            raise ValueError(f"global batch size {global_batch} is not divisible by the data-parallel size {dp_size} "
-                             f"x {microbatches} micro-batches")
+            raise ValueError(
+                f"global batch size {global_batch} is not divisible by the data-parallel size {dp_size} "
+                f"x {microbatches} micro-batches"
+            )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         tokens = self.train if split == "train" else self.val
         if len(tokens) < seq_len + 1:
-            raise ValueError(f"data {self.name!r}: the {split} split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}")
+            raise ValueError(
+                f"data {self.name!r}: the {split} split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}"
+            )
         starts_G = torch.randint(0, len(tokens) - seq_len, (global_batch,), generator=self._generator(split, step))
         share = global_batch // dp_size // microbatches  # rows of each global micro-batch on each rank
         starts_B = starts_G.view(microbatches, dp_size, share)[:, dp_rank].flatten().tolist()
@@ -88,6 +101,7 @@ class LMData:
 
 
 # ----------------------------------------------------------------------------- text sources
+
 
 def _unit_hash(rel_path: str, split_seed: int) -> float:
     # a file's place in [0, 1) depends on its relative path only, not on the machine or the order
@@ -140,8 +154,17 @@ def _cache_dir(cache_dir: str | None) -> Path:
     return Path(base).expanduser()
 
 
-def load_text(path: str | os.PathLike, *, pattern: str = "**/*", val_fraction: float = 0.05, split_seed: int = 0,
-              exclude_dirs: tuple[str, ...] = (), cache_dir: str | None = None, seed: int = 0, name: str | None = None) -> LMData:
+def load_text(
+    path: str | os.PathLike,
+    *,
+    pattern: str = "**/*",
+    val_fraction: float = 0.05,
+    split_seed: int = 0,
+    exclude_dirs: tuple[str, ...] = (),
+    cache_dir: str | None = None,
+    seed: int = 0,
+    name: str | None = None,
+) -> LMData:
     """Byte-level data from a text file or a folder of them (see the module docstring)."""
     root = Path(path).expanduser()
     if not root.exists():
@@ -162,7 +185,11 @@ def load_text(path: str | os.PathLike, *, pattern: str = "**/*", val_fraction: f
     if not rel_paths:
         raise ValueError(f"data path {str(root)!r} holds no files matching {pattern!r}")
     stats = [(rel, (root / rel).stat()) for rel in rel_paths]
-    key = hashlib.sha256(json.dumps([str(root.resolve()), val_fraction, split_seed, [(r, s.st_size, s.st_mtime_ns) for r, s in stats]]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            [str(root.resolve()), val_fraction, split_seed, [(r, s.st_size, s.st_mtime_ns) for r, s in stats]]
+        ).encode()
+    ).hexdigest()[:16]
     cache = _cache_dir(cache_dir) / f"text-{key}"
     if (cache / "info.json").exists():
         info = json.loads((cache / "info.json").read_text())
@@ -175,8 +202,13 @@ def load_text(path: str | os.PathLike, *, pattern: str = "**/*", val_fraction: f
     val, skipped_v = _read_docs(root, val_files)
     if len(train) == 0 and len(val) == 0:
         raise ValueError(f"data path {str(root)!r}: every file matching {pattern!r} is empty or binary")
-    info = {"files": len(rel_paths) - skipped_t - skipped_v, "train_files": len(train_files) - skipped_t,
-            "val_files": len(val_files) - skipped_v, "train_bytes": int(len(train)), "val_bytes": int(len(val))}
+    info = {
+        "files": len(rel_paths) - skipped_t - skipped_v,
+        "train_files": len(train_files) - skipped_t,
+        "val_files": len(val_files) - skipped_v,
+        "train_bytes": int(len(train)),
+        "val_bytes": int(len(val)),
+    }
     try:
         # write under a temporary name, then rename: a concurrent run never reads a half-written cache
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
@@ -199,10 +231,17 @@ def stdlib_path() -> Path:
 
 def load_stdlib(**kw) -> LMData:
     # third-party packages may live inside the stdlib folder; they are not the standard library
-    return load_text(stdlib_path(), pattern="**/*.py", exclude_dirs=("site-packages", "dist-packages", "__pycache__"), name="python-stdlib", **kw)
+    return load_text(
+        stdlib_path(),
+        pattern="**/*.py",
+        exclude_dirs=("site-packages", "dist-packages", "__pycache__"),
+        name="python-stdlib",
+        **kw,
+    )
 
 
 # ----------------------------------------------------------------------------- token files
+
 
 def _check_vocab(arr: np.ndarray, vocab_size: int, path: Path) -> None:
     if len(arr) == 0:
@@ -210,8 +249,10 @@ def _check_vocab(arr: np.ndarray, vocab_size: int, path: Path) -> None:
     top = int(arr.max())
     if top >= vocab_size:
         where = int(np.argmax(np.asarray(arr) >= vocab_size))
-        raise ValueError(f"token file {str(path)!r} holds token id {top} (first out-of-range id {int(arr[where])} at index {where}), "
-                         f"beyond the vocabulary (data.vocab_size={vocab_size}); set data.vocab_size > {top}")
+        raise ValueError(
+            f"token file {str(path)!r} holds token id {top} (first out-of-range id {int(arr[where])} at index {where}), "
+            f"beyond the vocabulary (data.vocab_size={vocab_size}); set data.vocab_size > {top}"
+        )
 
 
 def load_tokens(path: str | os.PathLike, *, vocab_size: int, val_fraction: float = 0.05, seed: int = 0) -> LMData:
@@ -224,16 +265,29 @@ def load_tokens(path: str | os.PathLike, *, vocab_size: int, val_fraction: float
         files = {s: p / f"{s}.bin" for s in ("train", "val")}
         for s, f in files.items():
             if not f.exists():
-                raise FileNotFoundError(f"token folder {str(p)!r} has no {s}.bin (expected nanoGPT's train.bin and val.bin)")
+                raise FileNotFoundError(
+                    f"token folder {str(p)!r} has no {s}.bin (expected nanoGPT's train.bin and val.bin)"
+                )
         arrays = {}
         for s, f in files.items():
             if f.stat().st_size == 0 or f.stat().st_size % 2:
-                raise ValueError(f"token file {str(f)!r} is empty or not a whole number of uint16 ids ({f.stat().st_size} bytes)")
+                raise ValueError(
+                    f"token file {str(f)!r} is empty or not a whole number of uint16 ids ({f.stat().st_size} bytes)"
+                )
             arrays[s] = np.memmap(f, dtype=np.uint16, mode="r")
             _check_vocab(arrays[s], vocab_size, f)
-        return LMData(arrays["train"], arrays["val"], vocab_size, str(p), seed, {"train_tokens": len(arrays["train"]), "val_tokens": len(arrays["val"])})
+        return LMData(
+            arrays["train"],
+            arrays["val"],
+            vocab_size,
+            str(p),
+            seed,
+            {"train_tokens": len(arrays["train"]), "val_tokens": len(arrays["val"])},
+        )
     if p.stat().st_size == 0 or p.stat().st_size % 2:
-        raise ValueError(f"token file {str(p)!r} is empty or not a whole number of uint16 ids ({p.stat().st_size} bytes)")
+        raise ValueError(
+            f"token file {str(p)!r} is empty or not a whole number of uint16 ids ({p.stat().st_size} bytes)"
+        )
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
     arr = np.memmap(p, dtype=np.uint16, mode="r")
@@ -246,9 +300,18 @@ def build_data(cfg, seed: int = 0) -> LMData:
     """From the ``data`` config group (a mapping with ``source`` and that source's keys)."""
     source = cfg["source"]
     if source == "stdlib":
-        return load_stdlib(val_fraction=cfg["val_fraction"], split_seed=cfg["split_seed"], cache_dir=cfg.get("cache_dir"), seed=seed)
+        return load_stdlib(
+            val_fraction=cfg["val_fraction"], split_seed=cfg["split_seed"], cache_dir=cfg.get("cache_dir"), seed=seed
+        )
     if source == "text":
-        return load_text(cfg["path"], pattern=cfg["pattern"], val_fraction=cfg["val_fraction"], split_seed=cfg["split_seed"], cache_dir=cfg.get("cache_dir"), seed=seed)
+        return load_text(
+            cfg["path"],
+            pattern=cfg["pattern"],
+            val_fraction=cfg["val_fraction"],
+            split_seed=cfg["split_seed"],
+            cache_dir=cfg.get("cache_dir"),
+            seed=seed,
+        )
     if source == "tokens":
         return load_tokens(cfg["path"], vocab_size=cfg["vocab_size"], val_fraction=cfg["val_fraction"], seed=seed)
     raise ValueError(f"data.source={source!r} is invalid: expected one of ('stdlib', 'text', 'tokens')")

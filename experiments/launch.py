@@ -8,6 +8,7 @@ so no other process can take it in between: handing out the number of a port tha
 closed again (the old ``free_port``) left a window in which another process could bind it first,
 and the launch then failed with "address already in use" or joined a stranger's store.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,11 +25,13 @@ RENDEZVOUS_TIMEOUT_S = 600.0
 _SERVED: list = []  # the stores rendezvous_port() serves, alive as long as this process
 
 
-def start_rendezvous(timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> "dist.TCPStore":
+def start_rendezvous(timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist.TCPStore:
     """A rendezvous store served by this process on 127.0.0.1 and a port the OS picks
     (``store.port``). Keep the object alive until every rank has joined; one store per launch (a
     second launch on the same store would find the first one's keys)."""
-    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def rendezvous_port() -> int:
@@ -42,8 +45,9 @@ def rendezvous_port() -> int:
 free_port = rendezvous_port  # the benchmarks' name for it: the port is served, not merely free
 
 
-def init_process_group_on(port: int, rank: int, world: int, backend: str, timeout_s: float,
-                          rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> None:
+def init_process_group_on(
+    port: int, rank: int, world: int, backend: str, timeout_s: float, rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S
+) -> None:
     """Join the rendezvous store on ``port`` as a client and create the default process group
     (``zero.join_process_group``): a rank that starts late may take ``rendezvous_timeout_s``, the
     collectives then time out after ``timeout_s``."""

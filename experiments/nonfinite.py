@@ -11,6 +11,7 @@ or the norm, is non-finite on any rank is skipped on every rank (``engine.last_s
 non-finite quantity in the order a step computes them (a layer's aux loss, the loss, the gradient
 norm), with the number of ranks on which it was non-finite.
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,10 +67,10 @@ class StepGuard:
             f"training stopped at step {last}: {len(self.streak)} consecutive optimizer steps were skipped because "
             f"of non-finite values (train.max_bad_steps={self.max_bad_steps}); at step {last} the first non-finite "
             f"quantity was {last_what}{since}. The weights are still those after step {first - 1}. A "
-            f"diverging run usually needs a lower learning rate (optim.lr={lr:g} at this step)")
+            f"diverging run usually needs a lower learning rate (optim.lr={lr:g} at this step)"
+        )
 
     def discard_load(self) -> None:
         """A skipped step's routed load must not move the aux-loss-free expert biases either."""
         for layer in self.layers:
             layer.load_since_update.zero_()
-

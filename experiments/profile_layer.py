@@ -5,6 +5,7 @@
 Shapes as in ``experiments.bench_moe_layer``. On a GPU it lists the ops by host time (launch-bound
 layers show up here) and by device time; on the CPU by time. Imports only torch and ``moe``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", default="S1", choices=list(GPU_SHAPES))
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on a GPU, float32 on the CPU"
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=20, help="ops to list")
     args = ap.parse_args(argv)

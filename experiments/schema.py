@@ -45,12 +45,13 @@ their defaults are the values ``conf/`` used before, so a run without overrides 
 it did. Importing this module also registers the ``${div:a,b}`` resolver the yamls use. It needs
 hydra and omegaconf; ``moe``, ``zero`` and ``routing_kernels`` never import it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -62,7 +63,9 @@ from moe.model import TransformerConfig
 OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
 
-def _schema_from(cls: type, name: str, exclude: tuple[str, ...] = (), extra: tuple[tuple[str, Any, Any], ...] = ()) -> type:
+def _schema_from(
+    cls: type, name: str, exclude: tuple[str, ...] = (), extra: tuple[tuple[str, Any, Any], ...] = ()
+) -> type:
     """A plain dataclass with ``cls``'s fields (names, resolved types, defaults) minus ``exclude``,
     then the ``extra`` fields ``(name, type, default)``, and none of ``cls``'s methods (no
     ``__post_init__``): a schema OmegaConf can hold ``???`` and ``${...}`` in."""
@@ -100,7 +103,7 @@ class CheckpointConfig:
     """Sharded checkpoints (``experiments.checkpoint``, ``zero.checkpoint``)."""
 
     every: int = 100  # save every this many steps and at the end; 0: never (no final save either)
-    dir: Optional[str] = None  # null: <run dir>/checkpoints; set it (or hydra.run.dir) for restarts to find it
+    dir: str | None = None  # null: <run dir>/checkpoints; set it (or hydra.run.dir) for restarts to find it
     keep_last: int = 2  # complete checkpoints kept (>= 2: an older one survives while the next is written)
     # DCP async save: the loop waits only while the state is copied; files and manifest follow in a
     # background thread (a Python keyword cannot be a key, hence not `async`)
@@ -133,10 +136,12 @@ class TrainLoopConfig:
 class ParallelConfig:
     ep: int = 1  # expert-parallel size: ranks that together hold all experts (divides dp)
     pp: int = 1  # pipeline stages: world = pp x dp; each stage a run of layers (embedding, blocks, head)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev (torch.distributed.pipelining)
-    pp_microbatches: Optional[int] = None  # micro-batches per step through the pipeline; null: 2 x pp x pp_virtual_stages
+    pp_schedule: str = (
+        "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev (torch.distributed.pipelining)
+    )
+    pp_microbatches: int | None = None  # micro-batches per step through the pipeline; null: 2 x pp x pp_virtual_stages
     pp_virtual_stages: int = 1  # stages per pipeline rank: 1, >= 2 for interleaved_*, 2 for zbv and dualpipev
-    pp_layers: Optional[List[int]] = None  # layers of each stage in order (sum n_layers + 2); null: as even as possible
+    pp_layers: list[int] | None = None  # layers of each stage in order (sum n_layers + 2); null: as even as possible
     zero_stage: int = 0  # 0 replicated | 1 shard optimizer state | 2 + gradients | 3 + parameters
     zero_offload: bool = False  # ZeRO-Offload: optimizer state and step on the CPU (stages 1-3)
     # fp32 everywhere, or bf16 compute weights/grads with fp32 master + moments (stages 1-3)
@@ -154,7 +159,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     warmup_steps: int = 40
     weight_decay: float = 0.1  # applied to matrices (dim >= 2) only, not to norms
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # adamw/adam
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # adamw/adam
     eps: float = 1.0e-8  # adamw/adam
     momentum: float = 0.9  # sgd
 
@@ -166,12 +171,14 @@ class DataConfig:
     null (a yaml cannot turn a default back into ``???``: OmegaConf's merge keeps the old value)."""
 
     source: str = "stdlib"  # stdlib | text | tokens
-    path: Optional[str] = MISSING  # text, tokens: the file or folder
+    path: str | None = MISSING  # text, tokens: the file or folder
     pattern: str = "**/*"  # text: files to take from a folder (binary files, i.e. containing NUL bytes, are skipped)
     vocab_size: int = 256  # bytes for stdlib and text
-    val_fraction: float = 0.05  # held-out share: of FILES for a folder (by a hash of each relative path), else the last bytes/tokens
+    val_fraction: float = (
+        0.05  # held-out share: of FILES for a folder (by a hash of each relative path), else the last bytes/tokens
+    )
     split_seed: int = 0  # stdlib, text
-    cache_dir: Optional[str] = None  # stdlib, text; null: $SWITCHYARD_CACHE, else ~/.cache/switchyard
+    cache_dir: str | None = None  # stdlib, text; null: $SWITCHYARD_CACHE, else ~/.cache/switchyard
 
 
 @dataclass
@@ -179,9 +186,9 @@ class LoggerConfig:
     name: str = "none"  # none (metrics.jsonl only) | wandb; the keys below are wandb's
     mode: str = "offline"  # offline | online | disabled
     project: str = "switchyard"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # null: one group per Hydra multirun (job name + sweep folder); none for single runs
-    tags: List[str] = field(default_factory=list)
+    entity: str | None = None
+    group: str | None = None  # null: one group per Hydra multirun (job name + sweep folder); none for single runs
+    tags: list[str] = field(default_factory=list)
     expert_load: bool = True  # a per-MoE-layer histogram of tokens per expert at every logged step
 
 
@@ -245,6 +252,9 @@ def check_keys(cfg: Any) -> None:
 
     walk(cfg, "")
     if unknown:
-        raise ValueError("; ".join(
-            f"unknown config key {full}: {schema.__name__} has no such field (valid: {', '.join(f.name for f in dataclasses.fields(schema))})"
-            for full, schema in unknown))
+        raise ValueError(
+            "; ".join(
+                f"unknown config key {full}: {schema.__name__} has no such field (valid: {', '.join(f.name for f in dataclasses.fields(schema))})"
+                for full, schema in unknown
+            )
+        )

@@ -3,6 +3,7 @@
 wandb is imported here and only when a wandb logger is built, so ``moe``/``zero`` never depend on it
 and ``logger=none`` runs without it installed.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,8 @@ class WandbTracker(Tracker):
             # resolved, so wandb shows values rather than ${...} strings
             config=OmegaConf.to_container(cfg, resolve=True),
             # a run resumed from a checkpoint continues the run that saved it
-            id=run_id, resume="allow" if run_id else None,
+            id=run_id,
+            resume="allow" if run_id else None,
         )
         self.run_id = self.run.id
 
@@ -168,12 +170,16 @@ def read_sweep(sweep_dir: Path) -> list[dict]:
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = [f"{'job':>4}  {'final val loss':>14}  {'unigram':>7}  {'active':>9}  {'total':>9}  {'tokens':>9}  overrides"]
+    lines = [
+        f"{'job':>4}  {'final val loss':>14}  {'unigram':>7}  {'active':>9}  {'total':>9}  {'tokens':>9}  overrides"
+    ]
     for r in rows:
         val = r["final_val_loss"]  # null in summary.json when it was not finite
         val = f"{val:>14.4f}" if val is not None else f"{'null':>14}"
-        lines.append(f"{r['job']:>4}  {val}  {r['unigram_entropy']:>7.4f}  {r['params_active']:>9,}  "
-                     f"{r['params_total']:>9,}  {r['tokens']:>9,}  {' '.join(r.get('overrides', []))}")
+        lines.append(
+            f"{r['job']:>4}  {val}  {r['unigram_entropy']:>7.4f}  {r['params_active']:>9,}  "
+            f"{r['params_total']:>9,}  {r['tokens']:>9,}  {' '.join(r.get('overrides', []))}"
+        )
     return "\n".join(lines)
 
 

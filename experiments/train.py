@@ -12,6 +12,7 @@ The pieces (``build_layout``, ``build_model``, ``build_engine``, ``optimizer_fac
 without the CLI. Shapes follow the project's legend (docs/design.md): B sequences, L sequence
 length, V vocabulary.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,7 +49,9 @@ def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
     if pcfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage={pcfg.zero_stage!r} is invalid: expected 0, 1, 2 or 3")
     if zero.init_distributed(timeout_s=float(pcfg.timeout_s)):
-        return zero.Layout.build(ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts, timeout_s=float(pcfg.timeout_s))
+        return zero.Layout.build(
+            ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts, timeout_s=float(pcfg.timeout_s)
+        )
     zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep), num_experts)  # names the numbers when ep > 1 on one process
     return zero.Layout.single()
 
@@ -63,8 +66,14 @@ def build_plan(cfg: DictConfig) -> PipelinePlan | None:
     m = int(pcfg.pp_microbatches) if pcfg.pp_microbatches is not None else 2 * int(pcfg.pp) * v
     layers = None if pcfg.pp_layers is None else [int(k) for k in pcfg.pp_layers]
     try:
-        return plan_pipeline(int(cfg.model.n_layers) + 2, pp=int(pcfg.pp), pp_schedule=str(pcfg.pp_schedule),
-                             pp_microbatches=m, pp_virtual_stages=v, pp_layers=layers)
+        return plan_pipeline(
+            int(cfg.model.n_layers) + 2,
+            pp=int(pcfg.pp),
+            pp_schedule=str(pcfg.pp_schedule),
+            pp_microbatches=m,
+            pp_virtual_stages=v,
+            pp_layers=layers,
+        )
     except ValueError as e:
         raise ValueError(f"parallel.{e}") from None
 
@@ -76,7 +85,9 @@ def split_model(model: Transformer, plan: PipelinePlan, layout: zero.Layout) -> 
     return model.keep_layers(ranges), [model.pipeline_stage(lo, hi) for lo, hi in ranges]
 
 
-def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout, chunks: list[torch.nn.Module] | None = None) -> zero.ZeroEngine:
+def build_engine(
+    cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout, chunks: list[torch.nn.Module] | None = None
+) -> zero.ZeroEngine:
     """The ``zero.ZeroEngine`` for ``parallel.zero_stage`` (0-3): it owns the gradient reduction,
     clipping and the optimizer of ``optimizer_factory(cfg.optim)``, over two param groups: matrices
     decay, norm gains and other 1-D parameters do not. ``chunks``: the pipeline stages that run
@@ -86,10 +97,21 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, layout: zero.Layout, c
         raise ValueError("parallel.zero_offload=true needs parallel.zero_stage >= 1")
     factory = optimizer_factory(ocfg)  # a bad optim.* stops here, before the engine's first collective
     wd = float(ocfg.weight_decay)
-    pipeline = {} if chunks is None else dict(
-        blocks=zero.default_blocks(model), entries=chunks, keep_gathered_across_microbatches=int(pcfg.zero_stage) == 3)
+    pipeline = (
+        {}
+        if chunks is None
+        else dict(
+            blocks=zero.default_blocks(model),
+            entries=chunks,
+            keep_gathered_across_microbatches=int(pcfg.zero_stage) == 3,
+        )
+    )
     return zero.ZeroEngine(
-        model, layout, stage=int(pcfg.zero_stage), optimizer=factory, **pipeline,
+        model,
+        layout,
+        stage=int(pcfg.zero_stage),
+        optimizer=factory,
+        **pipeline,
         param_groups=lambda name, p: {"weight_decay": wd if p.dim() >= 2 else 0.0},
         max_grad_norm=float(cfg.train.grad_clip) if cfg.train.grad_clip > 0 else None,
         offload=bool(pcfg.zero_offload),
@@ -117,7 +139,10 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transform
     experts only), after checking that it matches model.* and moe.*."""
     mcfg = model_config(cfg)
     if mcfg.moe is not None and mcfg.moe.router == "expert_choice":
-        print("warning: moe.router=expert_choice picks tokens across the whole batch, so a causal LM sees the future through it; its validation loss is optimistic", file=sys.stderr)
+        print(
+            "warning: moe.router=expert_choice picks tokens across the whole batch, so a causal LM sees the future through it; its validation loss is optimistic",
+            file=sys.stderr,
+        )
     model = Transformer(mcfg, layout=layout)
     init_from = cfg.model.get("init_from", None)
     if init_from:
@@ -148,8 +173,10 @@ def optimizer_factory(ocfg):
         kw = dict(lr=float(ocfg.lr), betas=tuple(float(b) for b in ocfg.betas), eps=float(ocfg.eps))
     if impl == "switchyard":
         if name != "adamw":
-            raise ValueError(f"optim.impl=switchyard is routing_kernels.FusedAdamW, an AdamW; optim.name={name!r} "
-                             f"needs optim.impl=auto, fused or foreach")
+            raise ValueError(
+                f"optim.impl=switchyard is routing_kernels.FusedAdamW, an AdamW; optim.name={name!r} "
+                f"needs optim.impl=auto, fused or foreach"
+            )
         return lambda groups: routing_kernels.FusedAdamW(groups, **kw)
     cls = _OPTIMIZERS[name]
 
@@ -159,8 +186,11 @@ def optimizer_factory(ocfg):
                 return cls(groups, fused=True, **kw)
             except (RuntimeError, ValueError) as e:
                 if impl == "fused":
-                    raise ValueError(f"optim.impl=fused is not supported here ({e}); use optim.impl=foreach or auto") from e
+                    raise ValueError(
+                        f"optim.impl=fused is not supported here ({e}); use optim.impl=foreach or auto"
+                    ) from e
         return cls(groups, foreach=True, **kw)
+
     return build
 
 
@@ -195,8 +225,14 @@ def lm_loss(logits_BLV: torch.Tensor, y_BL: torch.Tensor, reduction: str = "mean
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, data: LMData, cfg: DictConfig, layout: zero.Layout, device: torch.device,
-             pipe: Pipeline | None = None) -> float:
+def evaluate(
+    model: Transformer,
+    data: LMData,
+    cfg: DictConfig,
+    layout: zero.Layout,
+    device: torch.device,
+    pipe: Pipeline | None = None,
+) -> float:
     """Mean loss (nats per token) over ``train.eval_batches`` fixed global batches of the validation
     split: the same windows every call and under every layout; under a pipeline, through its
     forward-only schedule."""
@@ -253,6 +289,7 @@ class MoEStatSums:
                 self.aux_LQ[i, 0] += layer.stats.aux_loss.double() * w
                 self.aux_LQ[i, 1] += layer.stats.z_loss.double() * w
                 self.drop_L[i] += layer.stats.dropped_fraction.double() * w
+
         return hook
 
 
@@ -270,14 +307,27 @@ def _sum_over_stages(tensors: list[torch.Tensor], layout: zero.Layout) -> list[t
 def _check_train_cfg(cfg: DictConfig, layout: zero.Layout, plan: PipelinePlan | None = None) -> None:
     schema.check_keys(cfg)  # a key added with +key=value that no schema has
     t = cfg.train
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches", "max_bad_steps"):
+    for key in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "grad_accum",
+        "log_every",
+        "eval_every",
+        "eval_batches",
+        "max_bad_steps",
+    ):
         if not isinstance(t[key], int) or t[key] < 1:
             raise ValueError(f"train.{key}={t[key]!r} is invalid: expected a positive integer")
     if t.batch_size % (layout.dp * t.grad_accum):
-        raise ValueError(f"train.batch_size={t.batch_size} must be divisible by dp={layout.dp} x train.grad_accum={t.grad_accum}")
+        raise ValueError(
+            f"train.batch_size={t.batch_size} must be divisible by dp={layout.dp} x train.grad_accum={t.grad_accum}"
+        )
     if plan is not None and t.batch_size % (layout.dp * t.grad_accum * plan.microbatches):
-        raise ValueError(f"train.batch_size={t.batch_size} must be divisible by dp={layout.dp} x train.grad_accum={t.grad_accum} "
-                         f"x parallel.pp_microbatches={plan.microbatches}: every micro-batch of the pipeline has the same rows")
+        raise ValueError(
+            f"train.batch_size={t.batch_size} must be divisible by dp={layout.dp} x train.grad_accum={t.grad_accum} "
+            f"x parallel.pp_microbatches={plan.microbatches}: every micro-batch of the pipeline has the same rows"
+        )
     if t.grad_clip < 0:
         raise ValueError(f"train.grad_clip={t.grad_clip} is invalid: expected >= 0 (0 disables clipping)")
     check_checkpoint_cfg(cfg)
@@ -291,8 +341,14 @@ def _device(cfg: DictConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layout | None = None, data: LMData | None = None,
-          *, keep_weights: bool = False) -> dict:
+def train(
+    cfg: DictConfig,
+    run_dir: str | Path | None = None,
+    layout: zero.Layout | None = None,
+    data: LMData | None = None,
+    *,
+    keep_weights: bool = False,
+) -> dict:
     """Train per ``cfg``; rank 0 writes ``metrics.jsonl`` and ``summary.json`` into ``run_dir`` (when
     given) and returns the summary dict (other ranks return it too, without writing). ``layout``
     and ``data`` default to what ``cfg.parallel`` and ``cfg.data`` build; a driver running many
@@ -341,10 +397,18 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     start = resumed.get("step", 0)
     guard.streak = [tuple(s) for s in resumed.get("bad_streak", [])]  # skipped steps in a row up to the checkpoint
 
-    tracker = make_tracker(cfg, run_dir if run_dir is not None else Path("."), layout.rank, run_id=resumed.get("wandb_id"))
-    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and rank0 else None, keep_until=start if resumed else None)
-    stats = MoEStatSums({l: layer_index[l] for l in model.moe_layers()}, len(all_layers),
-                        all_layers[0].cfg.num_experts if all_layers else 0, device)
+    tracker = make_tracker(
+        cfg, run_dir if run_dir is not None else Path("."), layout.rank, run_id=resumed.get("wandb_id")
+    )
+    metrics = MetricsFile(
+        run_dir / "metrics.jsonl" if run_dir is not None and rank0 else None, keep_until=start if resumed else None
+    )
+    stats = MoEStatSums(
+        {l: layer_index[l] for l in model.moe_layers()},
+        len(all_layers),
+        all_layers[0].cfg.num_experts if all_layers else 0,
+        device,
+    )
     accum = tcfg.grad_accum
     micro = tcfg.batch_size // layout.dp // accum
     forwards = accum * (plan.microbatches if plan is not None else 1)  # of each layer per step
@@ -356,8 +420,11 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         pipe.loss_scale = 1.0 / forwards
 
     if rank0:
-        print(f"model: {params['total']:,} parameters, {params['active']:,} active per token; "
-              f"{len(all_layers)} MoE of {cfg.model.n_layers} blocks; layout: {layout.describe()}; device {device}", flush=True)
+        print(
+            f"model: {params['total']:,} parameters, {params['active']:,} active per token; "
+            f"{len(all_layers)} MoE of {cfg.model.n_layers} blocks; layout: {layout.describe()}; device {device}",
+            flush=True,
+        )
         if plan is not None:
             print(f"pipeline: {plan.describe()}", flush=True)
         print(f"data: {data.name} {data.info}; train {len(data.train):,} / val {len(data.val):,} tokens", flush=True)
@@ -367,22 +434,34 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
     L, E = len(all_layers), stats.num_experts
 
     def fresh():
-        return {"loss": torch.zeros((), device=device), "gnorm": torch.zeros((), device=device), "n": 0, "steps_run": 0,
-                "load": torch.zeros(L, E, dtype=torch.float64, device=device), "aux": torch.zeros(L, dtype=torch.float64, device=device),
-                "drop": torch.zeros(L, dtype=torch.float64, device=device), "t": time.perf_counter(), "eval_s": 0.0}
+        return {
+            "loss": torch.zeros((), device=device),
+            "gnorm": torch.zeros((), device=device),
+            "n": 0,
+            "steps_run": 0,
+            "load": torch.zeros(L, E, dtype=torch.float64, device=device),
+            "aux": torch.zeros(L, dtype=torch.float64, device=device),
+            "drop": torch.zeros(L, dtype=torch.float64, device=device),
+            "t": time.perf_counter(),
+            "eval_s": 0.0,
+        }
 
     acc = fresh()
     logged_losses, val_loss = resumed.get("logged_losses", []), resumed.get("val_loss")
     val_history = [tuple(v) for v in resumed.get("val_history", [])]
     status, done = "completed", start
     t_start = time.perf_counter()
-    bar = tqdm(total=tcfg.steps, initial=start, disable=not (rank0 and tcfg.progress), dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=tcfg.steps, initial=start, disable=not (rank0 and tcfg.progress), dynamic_ncols=True, file=sys.stderr
+    )
     try:
         for step in range(start, tcfg.steps):
             lr = lr_at(step, cfg.optim, tcfg.steps)
             engine.lr = lr
             # each of the step's micro-batches is spread over the dp ranks as in one process
-            x_BL, y_BL = data.get_batch("train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp, forwards)
+            x_BL, y_BL = data.get_batch(
+                "train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp, forwards
+            )
             stats.reset()  # this step's MoE statistics, of the layers this rank runs
             loss_step = torch.zeros((), device=device)
             for m in range(accum):
@@ -391,7 +470,9 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                     # the schedule splits the rows into the plan's micro-batches; the engine
                     # reduces after the last backward of the last round
                     with _autocast(cfg, device):
-                        losses = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, reduce=m == accum - 1)
+                        losses = pipe.step(
+                            x if pipe.is_first else None, y if pipe.is_last else None, reduce=m == accum - 1
+                        )
                     loss_step += sum(losses, torch.zeros((), device=device)) / forwards
                     continue
                 # micro-batches before the last only accumulate locally: one reduction per step
@@ -405,8 +486,11 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
             # reduce, clip, the optimizer on this rank's shards; the norm before clipping. A loss,
             # aux loss or gradient norm that is non-finite on any rank skips the step on every rank
             # (the loss is the last stage's; other stages hand a zero)
-            gnorm = torch.as_tensor(engine.step(extra_finite=guard.flags(loss_step, stats.aux_LQ / forwards)),
-                                    dtype=torch.float32, device=device)
+            gnorm = torch.as_tensor(
+                engine.step(extra_finite=guard.flags(loss_step, stats.aux_LQ / forwards)),
+                dtype=torch.float32,
+                device=device,
+            )
             done = step + 1
             acc["steps_run"] += 1
             if guard.update(engine, done):
@@ -469,9 +553,19 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
                 acc = fresh()
             guard.check(lr)  # after train.max_bad_steps skipped steps in a row: NonFiniteError, on every rank
             if save_now:
-                ckpts.save(done, finite_or_none({"logged_losses": logged_losses, "val_history": val_history,
-                                                 "val_loss": val_loss, "wandb_id": tracker.run_id,
-                                                 "bad_streak": guard.streak}), OmegaConf.to_yaml(cfg, resolve=True))
+                ckpts.save(
+                    done,
+                    finite_or_none(
+                        {
+                            "logged_losses": logged_losses,
+                            "val_history": val_history,
+                            "val_loss": val_loss,
+                            "wandb_id": tracker.run_id,
+                            "bad_streak": guard.streak,
+                        }
+                    ),
+                    OmegaConf.to_yaml(cfg, resolve=True),
+                )
             if stop:
                 status = "preempted"
                 break
@@ -510,13 +604,23 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, layout: zero.Layou
         if run_dir is not None:
             (run_dir / "summary.json").write_text(to_json(summary, indent=1))
         if status == "preempted":
-            where = f"checkpoint {ckpts.ckpt.last_saved}" if ckpts.ckpt.last_saved is not None else "no checkpoint (train.checkpoint.every=0 or no dir)"
-            print(f"preempted after step {done} of {tcfg.steps}: {where}; launch again with the same checkpoint dir "
-                  f"(train.resume=auto) to continue", flush=True)
+            where = (
+                f"checkpoint {ckpts.ckpt.last_saved}"
+                if ckpts.ckpt.last_saved is not None
+                else "no checkpoint (train.checkpoint.every=0 or no dir)"
+            )
+            print(
+                f"preempted after step {done} of {tcfg.steps}: {where}; launch again with the same checkpoint dir "
+                f"(train.resume=auto) to continue",
+                flush=True,
+            )
         elif val_loss is not None:
-            print(f"done: {tcfg.steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s ({summary['tokens_per_s']:.0f} tokens/s)\n"
-                  f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
-                  f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits", flush=True)
+            print(
+                f"done: {tcfg.steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s ({summary['tokens_per_s']:.0f} tokens/s)\n"
+                f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
+                f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits",
+                flush=True,
+            )
     if keep_weights:  # after summary.json: tensors are not JSON
         summary["weights"] = engine.full_parameters()  # a collective: every rank calls it
     if status == "preempted":  # last: the signal's previous Python handler (submitit's requeue) may exit

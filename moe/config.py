@@ -1,4 +1,5 @@
 """MoE layer configuration; it validates itself so a bad value fails before any compute or collective."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -99,7 +100,7 @@ class MoEConfig:
         return 1.0 if self.capacity_factor is None else self.capacity_factor
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MoEConfig":
+    def from_dict(cls, d: dict) -> MoEConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

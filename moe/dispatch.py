@@ -10,6 +10,7 @@ counts and rows, the local experts in rows mode, the reverse exchange, combine. 
 padded to a capacity: split sizes are the real counts, so a dropless layer moves only the rows it
 routes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,14 @@ class LocalDispatcher:
     """All experts live in this process. Nothing is read on the host: the counts stay on the device
     and ``max_kept`` (``Routing.max_kept``) sizes the rows in expert order."""
 
-    def __call__(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: GroupedExperts,
-                 max_kept: int | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x_TD: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        experts: GroupedExperts,
+        max_kept: int | None = None,
+    ) -> torch.Tensor:
         counts_X, _, dest_TK = rk.routing_metadata(expert_ids_TK, experts.num_local)
         return experts(x_TD, counts_X, dest_TK=dest_TK, weights_TK=weights_TK, num_rows=max_kept)
 
@@ -79,7 +86,9 @@ class AllToAllDispatcher:
         E = X * R
         me = group_rank(self.group)
         if experts.num_global != E or experts.expert_offset != me * X:
-            raise ValueError(f"experts hold [{experts.expert_offset}, +{X}) of {experts.num_global}; expected rank {me} of {R} to hold [{me * X}, +{X}) of {E}")
+            raise ValueError(
+                f"experts hold [{experts.expert_offset}, +{X}) of {experts.num_global}; expected rank {me} of {R} to hold [{me * X}, +{X}) of {E}"
+            )
         counts_E, _, dest_TK = rk.routing_metadata(expert_ids_TK, E)
         return self._exchange(x_TD, counts_E, dest_TK, weights_TK, experts)
 

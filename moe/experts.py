@@ -9,6 +9,7 @@ Parameter layout, stable so weights move in and out of other tools: ``w1 [X, D, 
 GELU ``gelu(x @ w1[e]) @ w2[e]`` (no ``w3``). The computation is ``routing_kernels.expert_ffn``,
 whose dispatch point picks the backend for the device and dtype.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,16 @@ class GroupedExperts(nn.Module):
     carries that mark (``routing_kernels.runtime.expert_shard``), by which ZeRO shards and reduces
     it over the expert-data-parallel group."""
 
-    def __init__(self, num_local: int, d_model: int, d_ff: int, activation: str = "swiglu", *, expert_offset: int = 0, num_global: int | None = None):
+    def __init__(
+        self,
+        num_local: int,
+        d_model: int,
+        d_ff: int,
+        activation: str = "swiglu",
+        *,
+        expert_offset: int = 0,
+        num_global: int | None = None,
+    ):
         super().__init__()
         self.num_local = num_local
         self.expert_offset = expert_offset
@@ -60,13 +70,21 @@ class GroupedExperts(nn.Module):
                 g = torch.Generator().manual_seed(base + 3 * (self.expert_offset + e) + j)
                 w[e].copy_(torch.rand(w.shape[1:], generator=g).mul_(2 * bound).sub_(bound))
 
-    def forward(self, x: torch.Tensor, counts, dest_TK: torch.Tensor | None = None,
-                weights_TK: torch.Tensor | None = None, num_rows: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts,
+        dest_TK: torch.Tensor | None = None,
+        weights_TK: torch.Tensor | None = None,
+        num_rows: int | None = None,
+    ) -> torch.Tensor:
         """Rows ``x_SD`` in expert order (``counts[e]`` rows per expert, a device tensor or a list)
         -> ``[S, D]`` in that order; or, given ``dest_TK``/``weights_TK`` from
         ``routing_kernels.routing_metadata`` and the router, tokens ``x_TD`` -> each token's routed
         outputs summed with its weights, ``[T, D]`` (``num_rows``: a static bound on the kept rows)."""
-        return rk.expert_ffn(x, counts, self.w1, self.w3, self.w2, dest_TK=dest_TK, weights_TK=weights_TK, num_rows=num_rows)
+        return rk.expert_ffn(
+            x, counts, self.w1, self.w3, self.w2, dest_TK=dest_TK, weights_TK=weights_TK, num_rows=num_rows
+        )
 
 
 class DenseFFN(nn.Module):

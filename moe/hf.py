@@ -59,6 +59,7 @@ silu (``hidden_act``), router jitter (``router_jitter_noise`` > 0), a model whos
 supported type but holds no MoE block of the expected class; and a transformers release other than 5.x,
 whose fused expert tensors could hold the same shapes in another order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -109,8 +110,11 @@ _TAP_CLASSES: dict[type, type] = {}
 
 def _tap_class(router_cls: type) -> type:
     if router_cls not in _TAP_CLASSES:
-        _TAP_CLASSES[router_cls] = type(f"{router_cls.__name__}LogitsTap", (_RouterLogitsTap, router_cls),
-                                        {"__init__": _RouterLogitsTap.__init__, "forward": _RouterLogitsTap.forward})
+        _TAP_CLASSES[router_cls] = type(
+            f"{router_cls.__name__}LogitsTap",
+            (_RouterLogitsTap, router_cls),
+            {"__init__": _RouterLogitsTap.__init__, "forward": _RouterLogitsTap.forward},
+        )
     return _TAP_CLASSES[router_cls]
 
 
@@ -130,9 +134,11 @@ _TRANSFORMERS_MAJOR = 5
 
 def _check_transformers(version: str) -> None:
     if int(version.split(".")[0]) != _TRANSFORMERS_MAJOR:
-        raise ValueError(f"moe.hf.patch: transformers {version} is not supported: moe.hf maps the fused expert "
-                         f"layouts of transformers {_TRANSFORMERS_MAJOR}.x (5.17 and 5.24 tested); install "
-                         f"'transformers>=5.17,<6' (pip install -e .[hf])")
+        raise ValueError(
+            f"moe.hf.patch: transformers {version} is not supported: moe.hf maps the fused expert "
+            f"layouts of transformers {_TRANSFORMERS_MAJOR}.x (5.17 and 5.24 tested); install "
+            f"'transformers>=5.17,<6' (pip install -e .[hf])"
+        )
 
 
 def _model_config(model):
@@ -145,21 +151,38 @@ def _model_config(model):
 def _moe_config(model_type: str, block) -> MoEConfig:
     gate, experts = block.gate, block.experts
     if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-        raise ValueError(f"moe.hf.patch: {type(block).__name__}.experts has no fused gate_up_proj tensor "
-                         "(transformers < 5 stores experts as modules; install transformers>=5)")
+        raise ValueError(
+            f"moe.hf.patch: {type(block).__name__}.experts has no fused gate_up_proj tensor "
+            "(transformers < 5 stores experts as modules; install transformers>=5)"
+        )
     E, D = gate.weight.shape
     F = experts.down_proj.shape[2]
-    kw = dict(d_model=D, d_ff=F, num_experts=E, top_k=int(gate.top_k), activation="swiglu",
-              capacity_factor=None, aux_loss_coef=0.0, z_loss_coef=0.0, seq_aux_loss_coef=0.0)
+    kw = dict(
+        d_model=D,
+        d_ff=F,
+        num_experts=E,
+        top_k=int(gate.top_k),
+        activation="swiglu",
+        capacity_factor=None,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+        seq_aux_loss_coef=0.0,
+    )
     if model_type == "mixtral":
         kw.update(normalize_topk=True)
     elif model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
         kw.update(normalize_topk=bool(gate.norm_topk_prob))
     elif model_type == "deepseek_v3":
-        kw.update(score_func="sigmoid", normalize_topk=bool(gate.norm_topk_prob),
-                  route_scale=float(gate.routed_scaling_factor), expert_bias=True)
+        kw.update(
+            score_func="sigmoid",
+            normalize_topk=bool(gate.norm_topk_prob),
+            route_scale=float(gate.routed_scaling_factor),
+            expert_bias=True,
+        )
         G, TG = int(gate.num_group), int(gate.topk_group)
-        _require(E % G == 0 and E // G >= 2, "n_group", G, f"needs groups of >= 2 experts dividing n_routed_experts={E}")
+        _require(
+            E % G == 0 and E // G >= 2, "n_group", G, f"needs groups of >= 2 experts dividing n_routed_experts={E}"
+        )
         if G > 1 or TG < G:
             kw.update(num_groups=G, topk_groups=TG)
     if model_type == "qwen2_moe":
@@ -176,7 +199,12 @@ def _check_config(model_type: str, hf_cfg) -> None:
     _require(jitter == 0, "router_jitter_noise", jitter, "MoELayer's router has no input jitter")
     if model_type == "deepseek_v3":
         topk_method = getattr(hf_cfg, "topk_method", "noaux_tc")
-        _require(topk_method in (None, "noaux_tc"), "topk_method", topk_method, "only DeepSeek-V3's noaux_tc router is implemented")
+        _require(
+            topk_method in (None, "noaux_tc"),
+            "topk_method",
+            topk_method,
+            "only DeepSeek-V3's noaux_tc router is implemented",
+        )
 
 
 def _copy_param(t: torch.Tensor) -> nn.Parameter:
@@ -238,9 +266,16 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     block_name, router_name = _BLOCKS[model_type]
     targets = [name for name, m in model.named_modules() if type(m).__name__ == block_name]
     if not targets:
-        raise ValueError(f"moe.hf.patch: config.model_type={model_type!r} but the model holds no {block_name} (already patched?)")
+        raise ValueError(
+            f"moe.hf.patch: config.model_type={model_type!r} but the model holds no {block_name} (already patched?)"
+        )
     router_cls = type(model.get_submodule(targets[0]).gate)
-    _require(router_cls.__name__ == router_name, "model_type", model_type, f"expected the router class {router_name}, found {router_cls.__name__}")
+    _require(
+        router_cls.__name__ == router_name,
+        "model_type",
+        model_type,
+        f"expected the router class {router_name}, found {router_cls.__name__}",
+    )
     tap_cls = _tap_class(router_cls)
     layers = []
     for name in targets:  # one block at a time, so a block's stock experts are freed before the next is copied
@@ -360,7 +395,9 @@ def _stock_names(layer: MoELayer, config) -> dict[str, str | None]:
     return names
 
 
-def _load_stock_layout(layer: MoELayer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+def _load_stock_layout(
+    layer: MoELayer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
     """``load_state_dict`` pre-hook of a patched layer: its entries in the stock block's names and
     layout (a stock model's ``state_dict()``, ``stock_state_dict``'s output) become the layer's, in
     place, before the layer reads them: renamed, and the fused experts (all of them) split into
@@ -371,23 +408,33 @@ def _load_stock_layout(layer: MoELayer, state_dict, prefix, local_metadata, stri
     stock = [k for k, ours in names.items() if k != ours and prefix + k in state_dict]
     if not stock:
         return
-    ours = [k for k in (*_OUR_EXPERTS, *(v for k, v in names.items() if v is not None and v != k)) if prefix + k in state_dict]
+    ours = [
+        k
+        for k in (*_OUR_EXPERTS, *(v for k, v in names.items() if v is not None and v != k))
+        if prefix + k in state_dict
+    ]
     if ours:
-        raise ValueError(f"moe.hf: the state dict holds {prefix}{stock[0]} (transformers' layout) and {prefix}{ours[0]} "
-                         "(the patched layer's) for one layer: give each layer's entries in one layout")
+        raise ValueError(
+            f"moe.hf: the state dict holds {prefix}{stock[0]} (transformers' layout) and {prefix}{ours[0]} "
+            "(the patched layer's) for one layer: give each layer's entries in one layout"
+        )
     present = [k for k in _STOCK_EXPERTS if prefix + k in state_dict]
     if present:
         if len(present) == 1:
             missing = next(k for k in _STOCK_EXPERTS if k not in present)
-            raise ValueError(f"moe.hf: the state dict holds {prefix}{present[0]} without {prefix}{missing}: the routed "
-                             "experts load from both")
+            raise ValueError(
+                f"moe.hf: the state dict holds {prefix}{present[0]} without {prefix}{missing}: the routed "
+                "experts load from both"
+            )
         ex = layer.experts
         E, D, F = ex.num_global, ex.w1.shape[1], ex.w1.shape[2]
         gate_up, down = (state_dict.pop(prefix + k) for k in _STOCK_EXPERTS)
         for k, t, want in ((_STOCK_EXPERTS[0], gate_up, (E, 2 * F, D)), (_STOCK_EXPERTS[1], down, (E, D, F))):
             if tuple(t.shape) != want:
-                raise ValueError(f"moe.hf: {prefix}{k} has shape {tuple(t.shape)}: expected {want} (all {E} experts, "
-                                 "transformers' fused layout)")
+                raise ValueError(
+                    f"moe.hf: {prefix}{k} has shape {tuple(t.shape)}: expected {want} (all {E} experts, "
+                    "transformers' fused layout)"
+                )
         lo, hi = ex.expert_offset, ex.expert_offset + ex.num_local
         for k, t in zip(_OUR_EXPERTS, fused_to_ours(gate_up[lo:hi], down[lo:hi])):
             state_dict[prefix + k] = t
@@ -417,7 +464,9 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
     rank that holds it without leaving the others waiting."""
     layers = _patched_layers(model)
     if not layers:
-        raise ValueError("moe.hf.stock_state_dict: the model holds no layer that moe.hf.patch made (its state_dict is already stock)")
+        raise ValueError(
+            "moe.hf.stock_state_dict: the model holds no layer that moe.hf.patch made (its state_dict is already stock)"
+        )
     sd = model.state_dict() if state_dict is None else state_dict
     plan = []  # (prefix, layer, its own entries by local name, its w1/w3/w2 as given, whether to gather them)
     for name, layer in layers:
@@ -425,19 +474,25 @@ def stock_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
         mine = layer.state_dict(keep_vars=True)  # the layer's own entries, by local name
         missing = [p + k for k in mine if p + k not in sd]
         if missing:
-            raise ValueError(f"moe.hf.stock_state_dict: the state dict has no {missing[0]!r}: expected one of the patched model's")
+            raise ValueError(
+                f"moe.hf.stock_state_dict: the state dict has no {missing[0]!r}: expected one of the patched model's"
+            )
         ex = layer.experts
         experts, forms = [], set()
         for w in _OUR_EXPERTS:
             t, local = sd[p + w], tuple(ex.get_parameter(w.removeprefix("experts.")).shape)
             full = (ex.num_global, *local[1:])
             if tuple(t.shape) not in (local, full):
-                raise ValueError(f"moe.hf.stock_state_dict: {p}{w} has shape {tuple(t.shape)}: expected {full} "
-                                 f"(every expert) or {local} (this rank's {ex.num_local} of {ex.num_global})")
+                raise ValueError(
+                    f"moe.hf.stock_state_dict: {p}{w} has shape {tuple(t.shape)}: expected {full} "
+                    f"(every expert) or {local} (this rank's {ex.num_local} of {ex.num_global})"
+                )
             experts.append(t)
             forms.add(t.shape[0] == ex.num_global)
         if len(forms) > 1:
-            raise ValueError(f"moe.hf.stock_state_dict: {p}experts.w1/w3/w2 mix every expert with this rank's slice: give one or the other")
+            raise ValueError(
+                f"moe.hf.stock_state_dict: {p}experts.w1/w3/w2 mix every expert with this rank's slice: give one or the other"
+            )
         plan.append((p, layer, mine, experts, forms == {False}))
     converted = {}  # a patched layer's first key -> that layer's entries in stock names, in the stock block's order
     replaced = set()  # every key of a patched layer
@@ -472,7 +527,9 @@ def save_pretrained(model: nn.Module, save_directory, *args, state_dict: dict | 
     Without it, this is the model's own ``save_pretrained``, which ``patch`` installs."""
     layers = _patched_layers(model)
     if not layers:
-        raise ValueError("moe.hf.save_pretrained: the model holds no layer that moe.hf.patch made: call its own save_pretrained")
+        raise ValueError(
+            "moe.hf.save_pretrained: the model holds no layer that moe.hf.patch made: call its own save_pretrained"
+        )
     sd = stock_state_dict(model, state_dict)
     if _ep_size(layers) > 1 and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None
@@ -499,10 +556,12 @@ class _SavePretrained:
             return type(model).save_pretrained(model, save_directory, *args, **kwargs)
         R = _ep_size(layers)
         if R > 1:
-            raise ValueError(f"moe.hf: save_pretrained of a model patched with expert parallelism (ep={R}): each rank "
-                             f"holds 1/{R} of the experts. Call moe.hf.save_pretrained(model, save_directory) on every "
-                             "rank (it gathers them; rank 0 writes), or moe.hf.unpatch(model) on every rank, then "
-                             "save_pretrained on one")
+            raise ValueError(
+                f"moe.hf: save_pretrained of a model patched with expert parallelism (ep={R}): each rank "
+                f"holds 1/{R} of the experts. Call moe.hf.save_pretrained(model, save_directory) on every "
+                "rank (it gathers them; rank 0 writes), or moe.hf.unpatch(model) on every rank, then "
+                "save_pretrained on one"
+            )
         return save_pretrained(model, save_directory, *args, **kwargs)
 
 

@@ -41,19 +41,19 @@ heads, a SwiGLU with silu, no sliding window, default rotary positions, no route
 attention dropout, and its router is exactly ``MIXTRAL_ROUTING``. Anything else is refused with a
 ValueError naming the field, its value and what is valid.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from .config import MoEConfig
 from .model import Transformer, TransformerConfig
-
 
 # ---------------------------------------------------------------------------------------------
 # the expert layouts (also used by moe.hf.patch, which copies transformers' fused experts through them)
@@ -68,7 +68,9 @@ def fused_to_ours(gate_up: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.
     return gate_up[:, :F].transpose(1, 2), gate_up[:, F:].transpose(1, 2), down_XDF.transpose(1, 2)
 
 
-def ours_to_fused(w1_XDF: torch.Tensor, w3_XDF: torch.Tensor, w2_XFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ours_to_fused(
+    w1_XDF: torch.Tensor, w3_XDF: torch.Tensor, w2_XFD: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w1, w3, w2)`` -> transformers 5's ``(gate_up [X, 2F, D], down [X, D, F])`` (contiguous copies)."""
     return torch.cat([w1_XDF.transpose(1, 2), w3_XDF.transpose(1, 2)], dim=1), w2_XFD.transpose(1, 2).contiguous()
 
@@ -114,12 +116,23 @@ def _row(ours, module, file=None, **kw) -> Row:
 TABLE: tuple[Row, ...] = (
     _row(["embed.weight"], ["model.embed_tokens.weight"]),
     _row(["blocks.{i}.attn_norm.weight"], [_L + "input_layernorm.weight"]),
-    _row(["blocks.{i}.attn.qkv.weight"], [_L + f"self_attn.{p}_proj.weight" for p in "qkv"], to_module=_split_qkv, to_ours=_cat_qkv),
+    _row(
+        ["blocks.{i}.attn.qkv.weight"],
+        [_L + f"self_attn.{p}_proj.weight" for p in "qkv"],
+        to_module=_split_qkv,
+        to_ours=_cat_qkv,
+    ),
     _row(["blocks.{i}.attn.proj.weight"], [_L + "self_attn.o_proj.weight"]),
     _row(["blocks.{i}.ffn_norm.weight"], [_L + "post_attention_layernorm.weight"]),
     _row(["blocks.{i}.ffn.router.weight"], [_L + "mlp.gate.weight"], [_M + "gate.weight"]),
-    _row([f"blocks.{{i}}.ffn.experts.{w}" for w in ("w1", "w3", "w2")], [_L + "mlp.experts.gate_up_proj", _L + "mlp.experts.down_proj"],
-         [_M + f"experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")], to_module=ours_to_fused, to_ours=fused_to_ours, experts=True),
+    _row(
+        [f"blocks.{{i}}.ffn.experts.{w}" for w in ("w1", "w3", "w2")],
+        [_L + "mlp.experts.gate_up_proj", _L + "mlp.experts.down_proj"],
+        [_M + f"experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")],
+        to_module=ours_to_fused,
+        to_ours=fused_to_ours,
+        experts=True,
+    ),
     _row(["norm.weight"], ["model.norm.weight"]),
     _row(["lm_head.weight"], ["lm_head.weight"]),
 )
@@ -148,8 +161,17 @@ _NOT_ARCHITECTURE = ("max_seq_len", "init_std")
 
 # the MoEConfig routing that Mixtral's sparse block computes; every other value is refused
 MIXTRAL_ROUTING: dict[str, object] = dict(
-    activation="swiglu", router="token_choice", score_func="softmax", softmax_before_topk=True, normalize_topk=True,
-    route_scale=1.0, num_groups=None, topk_groups=None, expert_bias=False, num_shared_experts=0, shared_expert_gate=False,
+    activation="swiglu",
+    router="token_choice",
+    score_func="softmax",
+    softmax_before_topk=True,
+    normalize_topk=True,
+    route_scale=1.0,
+    num_groups=None,
+    topk_groups=None,
+    expert_bias=False,
+    num_shared_experts=0,
+    shared_expert_gate=False,
 )
 
 
@@ -174,8 +196,11 @@ def check_exportable(cfg: TransformerConfig, *, dropless: bool = True) -> None:
         if got != want:
             raise _bad(f"moe.{name}", got, f"Mixtral's router and experts are {name}={want!r}")
     if dropless and cfg.moe.capacity_factor is not None:
-        raise _bad("moe.capacity_factor", cfg.moe.capacity_factor,
-                   "Mixtral routes dropless; export the same weights with a config whose capacity_factor is None")
+        raise _bad(
+            "moe.capacity_factor",
+            cfg.moe.capacity_factor,
+            "Mixtral routes dropless; export the same weights with a config whose capacity_factor is None",
+        )
 
 
 def _get(obj, dotted: str):
@@ -191,13 +216,21 @@ def mixtral_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32):
     check_exportable(cfg)
     kw = {theirs: _get(cfg, ours) for ours, theirs in CONFIG_FIELDS if "." not in theirs}
     return transformers.MixtralConfig(
-        **kw, rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        num_key_value_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads, hidden_act="silu",
-        sliding_window=None, attention_dropout=0.0, router_jitter_noise=0.0,
+        **kw,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        num_key_value_heads=cfg.n_heads,
+        head_dim=cfg.d_model // cfg.n_heads,
+        hidden_act="silu",
+        sliding_window=None,
+        attention_dropout=0.0,
+        router_jitter_noise=0.0,
         # a byte-level (or any Switchyard) vocabulary has no special tokens; Mixtral's defaults
         # (bos 1, eos 2) would make generate() stop at an ordinary token
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        architectures=["MixtralForCausalLM"], dtype=str(dtype).removeprefix("torch."),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        architectures=["MixtralForCausalLM"],
+        dtype=str(dtype).removeprefix("torch."),
     )
 
 
@@ -208,8 +241,10 @@ def transformer_config(hf_cfg, *, max_seq_len: int | None = None, **moe_kw) -> T
     _check_mixtral(hf_cfg)
     fixed = sorted(set(moe_kw) & (set(MIXTRAL_ROUTING) | {"d_model", "d_ff", "num_experts", "top_k"}))
     if fixed:
-        raise ValueError(f"moe.{fixed[0]}={moe_kw[fixed[0]]!r}: the checkpoint's config decides {fixed}; "
-                         "only training-time MoEConfig fields can be passed")
+        raise ValueError(
+            f"moe.{fixed[0]}={moe_kw[fixed[0]]!r}: the checkpoint's config decides {fixed}; "
+            "only training-time MoEConfig fields can be passed"
+        )
     ours = {o: _get(hf_cfg, t) for o, t in CONFIG_FIELDS}
     if max_seq_len is not None:
         ours["max_seq_len"] = max_seq_len
@@ -228,7 +263,11 @@ def _check_mixtral(hf_cfg) -> None:
         refuse("model_type", model_type, "only 'mixtral' checkpoints map onto moe.model.Transformer")
     H, D = hf_cfg.num_attention_heads, hf_cfg.hidden_size
     if hf_cfg.num_key_value_heads not in (None, H):
-        refuse("num_key_value_heads", hf_cfg.num_key_value_heads, f"our attention has one key/value head per head (num_attention_heads={H})")
+        refuse(
+            "num_key_value_heads",
+            hf_cfg.num_key_value_heads,
+            f"our attention has one key/value head per head (num_attention_heads={H})",
+        )
     head_dim = getattr(hf_cfg, "head_dim", None)
     if head_dim not in (None, D // H) or D % H:
         refuse("head_dim", head_dim, f"our head dim is hidden_size / num_attention_heads = {D}/{H}")
@@ -248,8 +287,11 @@ def _check_mixtral(hf_cfg) -> None:
             refuse(field, True, "our model has no biases")
     quant = getattr(hf_cfg, "quantization_config", None)
     if quant is not None:
-        refuse("quantization_config", quant.get("quant_method", quant) if isinstance(quant, dict) else quant,
-               "only unquantized checkpoints are read")
+        refuse(
+            "quantization_config",
+            quant.get("quant_method", quant) if isinstance(quant, dict) else quant,
+            "only unquantized checkpoints are read",
+        )
 
 
 def config_mismatches(cfg: TransformerConfig, hf_cfg) -> list[str]:
@@ -303,14 +345,22 @@ def _check_state(src: TensorSource, cfg: TransformerConfig) -> None:
     missing = sorted(set(ref) - names - optional)
     unknown = sorted(names - set(ref))
     if missing or unknown:
-        raise ValueError(f"the state dict does not hold a model of this config: missing {missing[:8]}, unknown {unknown[:8]}")
+        raise ValueError(
+            f"the state dict does not hold a model of this config: missing {missing[:8]}, unknown {unknown[:8]}"
+        )
     for name in sorted(set(ref) & names):
         got, want = tuple(src.meta(name).shape), tuple(ref[name].shape)
         if got != want:
             experts = ".experts." in name and got[1:] == want[1:]
-            raise ValueError(f"{name} has shape {got}, the config's model {want}" + (
-                f": {got[0]} of num_experts={want[0]} experts; under expert parallelism gather every rank's experts "
-                "(a consolidated checkpoint) before exporting" if experts else ""))
+            raise ValueError(
+                f"{name} has shape {got}, the config's model {want}"
+                + (
+                    f": {got[0]} of num_experts={want[0]} experts; under expert parallelism gather every rank's experts "
+                    "(a consolidated checkpoint) before exporting"
+                    if experts
+                    else ""
+                )
+            )
     for name in (n for i in range(cfg.n_layers) for n in _names(ZERO_IN_MIXTRAL, i)):
         if torch.count_nonzero(src.get(name)):
             raise _bad(name, "non-zero", "Mixtral's router has no selection bias")
@@ -323,7 +373,11 @@ def to_mixtral_state_dict(state: dict[str, torch.Tensor], cfg: TransformerConfig
     _check_state(TensorSource(state), cfg)
     out = {}
     for row, i in _rows(cfg):
-        out.update(zip(_names(row.module, i), (t.contiguous() for t in row.to_module(*(state[n] for n in _names(row.ours, i))))))
+        out.update(
+            zip(
+                _names(row.module, i), (t.contiguous() for t in row.to_module(*(state[n] for n in _names(row.ours, i))))
+            )
+        )
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -384,9 +438,18 @@ class TensorSource:
         return self._tensor(name, lo, hi)
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
 
@@ -407,8 +470,10 @@ class _Files(TensorSource):
             files = [single.name]
         else:
             found = sorted(p.name for p in path.iterdir()) if path.is_dir() else "not a directory"
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (found: {found}); "
-                                    "only safetensors checkpoints are read")
+            raise FileNotFoundError(
+                f"{path}: no model.safetensors or model.safetensors.index.json (found: {found}); "
+                "only safetensors checkpoints are read"
+            )
         handles = {f: safe_open(str(path / f), framework="pt") for f in files}
         super().__init__({k: handle for handle in handles.values() for k in handle.keys()})
 
@@ -421,9 +486,14 @@ class _Files(TensorSource):
         return handle.get_tensor(name) if lo is None else handle.get_slice(name)[lo:hi]
 
 
-def write_safetensors(path: str | os.PathLike, entries: list[tuple[str, torch.Tensor]],
-                      tensors: Iterator[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None,
-                      metadata: dict[str, str] | None = None) -> Path:
+def write_safetensors(
+    path: str | os.PathLike,
+    entries: list[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> Path:
     """Write a safetensors file tensor by tensor: ``entries`` (name, meta tensor) fix the header,
     then each tensor is taken from ``tensors`` (the same names, in the same order), converted to
     ``dtype`` (default: its own), written and dropped before the next is taken. Written to
@@ -434,7 +504,11 @@ def write_safetensors(path: str | os.PathLike, entries: list[tuple[str, torch.Te
     for name, m in entries:
         dt = dtype or m.dtype
         nbytes = m.numel() * dt.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(m.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dt],
+            "shape": list(m.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header["__metadata__"] = dict(metadata or {"format": "pt"})
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -478,8 +552,10 @@ def _read(files: TensorSource, cfg: TransformerConfig, lo: int, hi: int) -> dict
         used.add("lm_head.weight")  # transformers ties it to the embedding, whatever the file holds
     unknown = sorted(n for n in files.keys() if n not in used and not n.endswith(_IGNORED_SUFFIXES))
     if unknown:
-        raise ValueError(f"the checkpoint holds tensors a Mixtral model of its config does not have, e.g. {unknown[:6]} "
-                         f"({len(unknown)} in all); our model has no biases or extra modules")
+        raise ValueError(
+            f"the checkpoint holds tensors a Mixtral model of its config does not have, e.g. {unknown[:6]} "
+            f"({len(unknown)} in all); our model has no biases or extra modules"
+        )
     return state
 
 
@@ -489,8 +565,14 @@ def _read(files: TensorSource, cfg: TransformerConfig, lo: int, hi: int) -> dict
 DEFAULT_SHARD_BYTES = 5 * 10**9  # the Hub's usual shard size
 
 
-def export_mixtral(src, out_dir: str | os.PathLike, cfg: TransformerConfig | None = None, *,
-                   dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def export_mixtral(
+    src,
+    out_dir: str | os.PathLike,
+    cfg: TransformerConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
     """Write ``src`` as a transformers Mixtral checkpoint directory: ``config.json`` and
     ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` of at most
     ``max_shard_bytes`` each and ``model.safetensors.index.json`` (written last), which
@@ -532,13 +614,19 @@ def export_mixtral(src, out_dir: str | os.PathLike, cfg: TransformerConfig | Non
         shards[-1].append((n, m))
         size += nbytes[n]
     mixtral_config(cfg, dtype).save_pretrained(out)
-    files = ["model.safetensors"] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     tensors = _file_tensors(src.get, cfg)  # one generator across the shards: each of our tensors is read once
     for fname, shard in zip(files, shards):
         write_safetensors(out / fname, shard, tensors, dtype=dtype)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(nbytes.values())},
-                 "weight_map": {n: f for f, shard in zip(files, shards) for n, _ in shard}}
+        index = {
+            "metadata": {"total_size": sum(nbytes.values())},
+            "weight_map": {n: f for f, shard in zip(files, shards) for n, _ in shard},
+        }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
@@ -554,8 +642,16 @@ def read_mixtral_config(path: str | os.PathLike):
     return hf_cfg
 
 
-def import_mixtral(path: str | os.PathLike, model: Transformer | None = None, *, max_seq_len: int | None = None,
-                   layout=None, ep_group=None, dp_group=None, **moe_kw) -> Transformer:
+def import_mixtral(
+    path: str | os.PathLike,
+    model: Transformer | None = None,
+    *,
+    max_seq_len: int | None = None,
+    layout=None,
+    ep_group=None,
+    dp_group=None,
+    **moe_kw,
+) -> Transformer:
     """Load a transformers Mixtral checkpoint directory into ``model`` (in place; returned), or into a
     new ``Transformer`` of the checkpoint's config (``max_seq_len``, ``moe_kw``: see
     ``transformer_config``; ``layout``/``ep_group``/``dp_group``: as ``Transformer`` takes them).
@@ -564,25 +660,67 @@ def import_mixtral(path: str | os.PathLike, model: Transformer | None = None, *,
     each mismatch); under expert parallelism each process reads only the experts it holds."""
     path = Path(path)
     hf_cfg = read_mixtral_config(path)
-    return _import(lambda: _Files(path), hf_cfg, model, str(path), max_seq_len=max_seq_len, layout=layout, ep_group=ep_group,
-                   dp_group=dp_group, **moe_kw)
+    return _import(
+        lambda: _Files(path),
+        hf_cfg,
+        model,
+        str(path),
+        max_seq_len=max_seq_len,
+        layout=layout,
+        ep_group=ep_group,
+        dp_group=dp_group,
+        **moe_kw,
+    )
 
 
-def import_mixtral_state_dict(state: dict[str, torch.Tensor], hf_cfg, model: Transformer | None = None, *,
-                              max_seq_len: int | None = None, layout=None, ep_group=None, dp_group=None, **moe_kw) -> Transformer:
+def import_mixtral_state_dict(
+    state: dict[str, torch.Tensor],
+    hf_cfg,
+    model: Transformer | None = None,
+    *,
+    max_seq_len: int | None = None,
+    layout=None,
+    ep_group=None,
+    dp_group=None,
+    **moe_kw,
+) -> Transformer:
     """``import_mixtral`` from a transformers model's ``state_dict()`` and its config (e.g. a live
     ``MixtralForCausalLM``: ``import_mixtral_state_dict(m.state_dict(), m.config)``); the tensors are
     copied, the model is not changed."""
     _check_mixtral(hf_cfg)
-    return _import(lambda: TensorSource(state), hf_cfg, model, "the state dict", max_seq_len=max_seq_len, layout=layout,
-                   ep_group=ep_group, dp_group=dp_group, **moe_kw)
+    return _import(
+        lambda: TensorSource(state),
+        hf_cfg,
+        model,
+        "the state dict",
+        max_seq_len=max_seq_len,
+        layout=layout,
+        ep_group=ep_group,
+        dp_group=dp_group,
+        **moe_kw,
+    )
 
 
 @torch.no_grad()
-def _import(open_tensors: Callable[[], TensorSource], hf_cfg, model: Transformer | None, where: str, *, max_seq_len, layout, ep_group, dp_group,
-            **moe_kw) -> Transformer:
+def _import(
+    open_tensors: Callable[[], TensorSource],
+    hf_cfg,
+    model: Transformer | None,
+    where: str,
+    *,
+    max_seq_len,
+    layout,
+    ep_group,
+    dp_group,
+    **moe_kw,
+) -> Transformer:
     if model is None:
-        model = Transformer(transformer_config(hf_cfg, max_seq_len=max_seq_len, **moe_kw), layout=layout, ep_group=ep_group, dp_group=dp_group)
+        model = Transformer(
+            transformer_config(hf_cfg, max_seq_len=max_seq_len, **moe_kw),
+            layout=layout,
+            ep_group=ep_group,
+            dp_group=dp_group,
+        )
     else:
         bad = config_mismatches(model.cfg, hf_cfg)
         if bad:

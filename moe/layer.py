@@ -8,6 +8,7 @@ through the output itself (``_AttachAuxLoss``, after Megatron-Core's aux-loss au
 training loop only calls ``loss.backward()``; their values and the router statistics are in
 ``layer.stats`` after each forward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from routing_kernels.runtime import all_reduce_sum, first_pass_weight, group_size, is_expert_param
+from routing_kernels.runtime import all_reduce_sum, first_pass_weight, group_size
 
 from .config import MoEConfig
 from .dispatch import AllToAllDispatcher, LocalDispatcher
@@ -92,10 +93,14 @@ class MoELayer(nn.Module):
         local = cfg.num_experts // ep
         rank = 0 if ep_group is None else torch.distributed.get_rank(ep_group)
         self.router = Router(cfg)
-        self.experts = GroupedExperts(local, cfg.d_model, cfg.d_ff, cfg.activation, expert_offset=rank * local, num_global=cfg.num_experts)
+        self.experts = GroupedExperts(
+            local, cfg.d_model, cfg.d_ff, cfg.activation, expert_offset=rank * local, num_global=cfg.num_experts
+        )
         self.shared_experts = None
         if cfg.num_shared_experts:
-            self.shared_experts = DenseFFN(cfg.d_model, cfg.shared_d_ff or cfg.d_ff * cfg.num_shared_experts, cfg.activation)
+            self.shared_experts = DenseFFN(
+                cfg.d_model, cfg.shared_d_ff or cfg.d_ff * cfg.num_shared_experts, cfg.activation
+            )
         # per-token gate of the shared experts' output, sigmoid(x @ w_gate) (cfg.shared_expert_gate)
         self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         # optional module called with the router logits [T, E] on every forward (its output is
@@ -111,7 +116,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         if x.shape[-1] != cfg.d_model:
-            raise ValueError(f"MoELayer expects last dimension d_model={cfg.d_model}, got input of shape {tuple(x.shape)}")
+            raise ValueError(
+                f"MoELayer expects last dimension d_model={cfg.d_model}, got input of shape {tuple(x.shape)}"
+            )
         shape = x.shape
         x_TD = rearrange(x, "... d -> (...) d")  # every leading dim is tokens
         T = x_TD.shape[0]
@@ -132,17 +139,24 @@ class MoELayer(nn.Module):
         K = routing.selected_TK.shape[1]
         # slot ids shifted by one so a -1 (a slot no expert took, expert choice) lands in bin 0
         counts_E1 = torch.zeros(E + 1, dtype=torch.float64, device=x.device)
-        counts_E1.scatter_add_(0, routing.selected_TK.reshape(-1) + 1, torch.ones(routing.selected_TK.numel(), dtype=torch.float64, device=x.device))
+        counts_E1.scatter_add_(
+            0,
+            routing.selected_TK.reshape(-1) + 1,
+            torch.ones(routing.selected_TK.numel(), dtype=torch.float64, device=x.device),
+        )
         # one all-reduce carries every global statistic, with no host sync on the way (no .item(),
         # no boolean-mask indexing)
-        total = _all_reduce_fields({
-            "counts_E": counts_E1[1:],
-            "tokens": torch.full((), float(T), dtype=torch.float64, device=x.device),
-            "dropped": routing.num_dropped,
-            "prob_sums_E": routing.probs_TE.detach().sum(0),
-            "z_loss_sum": z_loss.detach() * T,
-            "entropy_sum": routing_entropy(routing.probs_TE.detach()) * T,
-        }, self.dp_group)
+        total = _all_reduce_fields(
+            {
+                "counts_E": counts_E1[1:],
+                "tokens": torch.full((), float(T), dtype=torch.float64, device=x.device),
+                "dropped": routing.num_dropped,
+                "prob_sums_E": routing.probs_TE.detach().sum(0),
+                "z_loss_sum": z_loss.detach() * T,
+                "entropy_sum": routing_entropy(routing.probs_TE.detach()) * T,
+            },
+            self.dp_group,
+        )
         counts_E = total["counts_E"]
         T_global = total["tokens"].clamp(min=1.0)
 
@@ -155,7 +169,9 @@ class MoELayer(nn.Module):
         seq_loss = zero
         if cfg.seq_aux_loss_coef > 0 and cfg.router == "token_choice" and T > 0:
             seq_len = shape[-2] if len(shape) >= 3 else T
-            seq_loss = sequence_load_balancing_loss(routing.probs_TE.view(-1, seq_len, E), routing.selected_TK.view(-1, seq_len, K))
+            seq_loss = sequence_load_balancing_loss(
+                routing.probs_TE.view(-1, seq_len, E), routing.selected_TK.view(-1, seq_len, K)
+            )
         aux = zero
         if cfg.aux_loss_coef > 0:
             aux = aux + cfg.aux_loss_coef * lb_loss

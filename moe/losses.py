@@ -8,6 +8,7 @@ reported value use the whole batch, while the differentiable term uses the local
 router probabilities. Each rank's gradient is then the global-batch gradient times dp, which the
 usual averaging over dp turns into exactly the single-process gradient (Megatron-Core does the same).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,9 @@ def sequence_load_balancing_loss(probs_BLE: torch.Tensor, expert_ids_BLK: torch.
     B, L, E = probs_BLE.shape
     K = expert_ids_BLK.shape[-1]
     one_hot_BE = torch.zeros(B, E, dtype=probs_BLE.dtype, device=probs_BLE.device)
-    one_hot_BE.scatter_add_(1, expert_ids_BLK.reshape(B, L * K), torch.ones(B, L * K, dtype=probs_BLE.dtype, device=probs_BLE.device))
+    one_hot_BE.scatter_add_(
+        1, expert_ids_BLK.reshape(B, L * K), torch.ones(B, L * K, dtype=probs_BLE.dtype, device=probs_BLE.device)
+    )
     f_BE = one_hot_BE / (K * L)
     P_BE = probs_BLE.mean(1)
     return E * (f_BE * P_BE).sum(-1).mean()

@@ -9,6 +9,7 @@ RMSNorm, rotary positions (half-split, as GPT-NeoX / Llama), attention through
 arguments: pass ``ep_group``/``dp_group`` or any object carrying them
 (a ``zero.Layout``); ``None`` is one process.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,10 +21,10 @@ import torch.nn.functional as nnf
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from .config import MoEConfig
-from .experts import DenseFFN
 from routing_kernels.runtime import is_expert_param, recompute_context
 
+from .config import MoEConfig
+from .experts import DenseFFN
 from .layer import MoELayer, moe_layers
 
 
@@ -55,13 +56,21 @@ class TransformerConfig:
         if self.d_model % self.n_heads:
             bad("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
-            bad("n_heads", self.n_heads, f"head dim d_model/n_heads={self.d_model // self.n_heads} must be even for rotary positions")
+            bad(
+                "n_heads",
+                self.n_heads,
+                f"head dim d_model/n_heads={self.d_model // self.n_heads} must be even for rotary positions",
+            )
         if not isinstance(self.moe_every, int) or self.moe_every < 0:
             bad("moe_every", self.moe_every, "expected an integer >= 0 (0 means fully dense)")
         if self.moe_every and self.moe is None:
             bad("moe", None, f"moe_every={self.moe_every} needs an MoEConfig (or moe_every=0 for a dense model)")
         if self.moe_every > self.n_layers:
-            bad("moe_every", self.moe_every, f"larger than n_layers={self.n_layers}, so no block would be MoE; use 0 for dense")
+            bad(
+                "moe_every",
+                self.moe_every,
+                f"larger than n_layers={self.n_layers}, so no block would be MoE; use 0 for dense",
+            )
         if self.moe is not None and self.moe.d_model != self.d_model:
             bad("moe", f"MoEConfig(d_model={self.moe.d_model})", f"its d_model must equal d_model={self.d_model}")
         if self.rope_theta <= 0:
@@ -71,7 +80,7 @@ class TransformerConfig:
         return self.moe_every > 0 and i % self.moe_every == self.moe_every - 1
 
     @classmethod
-    def from_dict(cls, d: dict, moe: MoEConfig | None = None) -> "TransformerConfig":
+    def from_dict(cls, d: dict, moe: MoEConfig | None = None) -> TransformerConfig:
         names = {f.name for f in fields(cls)} - {"moe"}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -125,7 +134,11 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoELayer(cfg.moe, ep_group=ep_group, dp_group=dp_group) if is_moe else DenseFFN(cfg.d_model, cfg.d_ff, "swiglu")
+        self.ffn = (
+            MoELayer(cfg.moe, ep_group=ep_group, dp_group=dp_group)
+            if is_moe
+            else DenseFFN(cfg.d_model, cfg.d_ff, "swiglu")
+        )
 
     def forward(self, x_BLD, cos, sin):
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), cos, sin)
@@ -181,8 +194,10 @@ class Transformer(nn.Module):
             return 0, self.num_pipeline_layers
         lo, hi = min(kept), max(kept) + 1
         if len(kept) != hi - lo:
-            raise ValueError(f"this module holds pipeline layers {sorted(kept)}, not one contiguous run: run the "
-                             f"stages made with pipeline_stage() instead")
+            raise ValueError(
+                f"this module holds pipeline layers {sorted(kept)}, not one contiguous run: run the "
+                f"stages made with pipeline_stage() instead"
+            )
         return lo, hi
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,12 +231,12 @@ class Transformer(nn.Module):
             if isinstance(block, Block):  # a pipeline placeholder (nn.Identity) has nothing to compile
                 block.forward = torch.compile(block.forward, **compile_kwargs)
 
-    def pipeline_stage(self, lo: int, hi: int) -> "Transformer":
+    def pipeline_stage(self, lo: int, hi: int) -> Transformer:
         """A module that runs pipeline layers ``[lo, hi)`` of this model (layer 0 the embedding,
         layer i + 1 block i, the last layer the final norm and lm_head); see ``keep_layers``."""
         return self.keep_layers([(lo, hi)])
 
-    def keep_layers(self, ranges: list[tuple[int, int]]) -> "Transformer":
+    def keep_layers(self, ranges: list[tuple[int, int]]) -> Transformer:
         """A module holding the pipeline layers of ``ranges`` (``[(lo, hi), ...]``) of this model
         and sharing their parameters. Every parameter keeps its name in the whole model
         (``blocks.3.attn.qkv.weight``), so a stage's weights, gradients and checkpoints line up with
@@ -235,15 +250,19 @@ class Transformer(nn.Module):
         for r in ranges:
             lo, hi = r
             if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= n):
-                raise ValueError(f"pipeline layers [{lo}, {hi}) are invalid: expected 0 <= lo < hi <= {n} "
-                                 f"(the embedding, {self.cfg.n_layers} blocks and the head)")
+                raise ValueError(
+                    f"pipeline layers [{lo}, {hi}) are invalid: expected 0 <= lo < hi <= {n} "
+                    f"(the embedding, {self.cfg.n_layers} blocks and the head)"
+                )
             kept |= set(range(lo, hi))
         if not kept:
             raise ValueError("keep_layers() needs at least one range of layers")
         if self.cfg.tie_embeddings and (0 in kept) != (n - 1 in kept):
-            raise ValueError(f"tie_embeddings=True shares one weight between the embedding (layer 0) and the head "
-                             f"(layer {n - 1}), and layers {sorted(kept)} hold only one of them: untie them "
-                             f"(model.tie_embeddings=false) to split the model into pipeline stages")
+            raise ValueError(
+                f"tie_embeddings=True shares one weight between the embedding (layer 0) and the head "
+                f"(layer {n - 1}), and layers {sorted(kept)} hold only one of them: untie them "
+                f"(model.tie_embeddings=false) to split the model into pipeline stages"
+            )
         part = Transformer.__new__(Transformer)
         nn.Module.__init__(part)
         part.cfg = self.cfg
@@ -277,4 +296,3 @@ class Transformer(nn.Module):
             total += per_expert * experts.num_global
             active += per_expert * layer.cfg.top_k
         return {"total": total, "active": active, "embedding": self.embed.weight.numel()}
-

@@ -7,6 +7,7 @@ The router always computes in fp32 (its softmax is where bf16 hurts). Its output
 whose ``expert_ids_TK`` is -1 for an assignment dropped at capacity (or, for expert choice, a slot
 no expert took); every downstream op skips those.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,7 +51,9 @@ def capacity(capacity_factor: float, top_k: int, num_tokens: int, num_experts: i
     return -(-q.numerator // q.denominator)
 
 
-def capacity_keep_mask(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, cap: int, policy: str) -> torch.Tensor:
+def capacity_keep_mask(
+    expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, cap: int, policy: str
+) -> torch.Tensor:
     """Which assignments an expert of capacity ``cap`` keeps.
 
     ``position``: the first ``cap`` in token order. ``probs``: the ``cap`` with the largest weight,
@@ -65,7 +68,9 @@ def capacity_keep_mask(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, nu
         by_weight = torch.argsort(-weights_TK.reshape(-1).detach(), stable=True)
         order = by_weight[torch.argsort(flat_ids[by_weight], stable=True)]
     # a scatter-add, not bincount: its output size is known from the shapes (torch.compile)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_ids.device).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_ids.device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids)
+    )
     starts = torch.cumsum(counts, 0) - counts
     rank_sorted = torch.arange(A, device=flat_ids.device) - starts[flat_ids[order]]
     rank = torch.empty_like(rank_sorted)

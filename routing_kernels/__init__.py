@@ -6,6 +6,7 @@ Import the ops from here; ``routing_kernels.dispatch`` decides which implementat
 ``routing_kernels.runtime`` holds what ``moe`` and ``zero`` both need (collectives over optional
 groups, the expert-parameter mark).
 """
+
 from .dispatch import (
     expert_backend,
     expert_ffn,

@@ -17,6 +17,7 @@ already in expert order (expert parallelism, between the All-to-All exchanges), 
 parallel "lanes" (worker threads taking blocks from a shared queue) and the large buffers stay in a
 pool per expert weight (``_BufferPool``); both are explained where they are defined.
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,7 +31,6 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .reference import row_weights, source_tokens
-
 
 # rows per block of an expert's segment: the [block, F] elementwise work (activation, its
 # gradient) stays in L2/L3 between the matmuls that produce and consume it, while the matmuls stay
@@ -89,7 +89,9 @@ class _BufferPool:
     """
 
     def __init__(self):
-        self._slots: dict[str, list[tuple[torch.Tensor, int]]] = {}  # slot -> [(buffer, use count when only we hold it)]
+        self._slots: dict[
+            str, list[tuple[torch.Tensor, int]]
+        ] = {}  # slot -> [(buffer, use count when only we hold it)]
 
     @staticmethod
     def _use_count(t: torch.Tensor) -> int:
@@ -100,8 +102,11 @@ class _BufferPool:
         shape = torch.Size(shape)
         # a buffer made under inference mode is an inference tensor, which a later training step
         # could neither write in place nor save for backward: inference mode does not pool
-        if (not _HAS_USE_COUNT or torch.is_inference_mode_enabled()
-                or shape.numel() * like.element_size() < _POOL_MIN_BYTES):
+        if (
+            not _HAS_USE_COUNT
+            or torch.is_inference_mode_enabled()
+            or shape.numel() * like.element_size() < _POOL_MIN_BYTES
+        ):
             return like.new_empty(shape)
         held = self._slots.setdefault(slot, [])
         keep = []
@@ -266,7 +271,9 @@ def _run_lanes(fn, lanes: int, queue: _BlockQueue | None = None) -> None:
             _lane_pool[3].shutdown(wait=False)
         # torch.set_num_threads in a lane thread also sets the default every thread started later
         # adopts: start all lane threads, then give the default back
-        executor = ThreadPoolExecutor(lanes, thread_name_prefix="moe-lane", initializer=_init_lane_thread, initargs=(per_lane,))
+        executor = ThreadPoolExecutor(
+            lanes, thread_name_prefix="moe-lane", initializer=_init_lane_thread, initargs=(per_lane,)
+        )
         started = threading.Barrier(lanes)
         for f in [executor.submit(started.wait, 60.0) for _ in range(lanes)]:
             f.result()
@@ -283,7 +290,9 @@ def _run_lanes(fn, lanes: int, queue: _BlockQueue | None = None) -> None:
 _COMBINE_BLOCK_T = 256
 
 
-def _rows_to_tokens(rows_SD: torch.Tensor, dest_TK: torch.Tensor, src_S: torch.Tensor, out_TD: torch.Tensor, lanes: int) -> torch.Tensor:
+def _rows_to_tokens(
+    rows_SD: torch.Tensor, dest_TK: torch.Tensor, src_S: torch.Tensor, out_TD: torch.Tensor, lanes: int
+) -> torch.Tensor:
     """``out[t] = sum_k rows[dest[t, k]]`` over the kept slots, in slot order: the expert-ordered
     rows back into token order. Unlike ``routing_kernels.unpermute_combine`` the rows come already
     scaled by their combine weights, and the tokens are split between the lanes. ``rows_SD`` has one
@@ -307,13 +316,15 @@ def _rows_to_tokens(rows_SD: torch.Tensor, dest_TK: torch.Tensor, src_S: torch.T
             if K == 1:
                 torch.index_select(rows_SD, 0, index_TK[t0:t1, 0], out=out_TD[t0:t1])
             else:
-                torch.sum(rows_SD.index_select(0, index_TK[t0:t1].reshape(-1)).view(t1 - t0, K, D), dim=1, out=out_TD[t0:t1])
+                torch.sum(
+                    rows_SD.index_select(0, index_TK[t0:t1].reshape(-1)).view(t1 - t0, K, D), dim=1, out=out_TD[t0:t1]
+                )
 
     _run_lanes(part, lanes)
     return out_TD
 
 
-def _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts: list[int], num_rows: int, pool: "_BufferPool"):
+def _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts: list[int], num_rows: int, pool: _BufferPool):
     """The forward of ``_ExpertBlocks`` (its docstring): returns the output and what the backward
     needs, ``(out, h1_RF, h3_RF, src_R, w_R)``. ``num_rows`` (R) bounds the kept rows S =
     sum(counts) and sizes the saved buffers, so their shapes do not depend on the routing; rows
@@ -340,7 +351,9 @@ def _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts: list[int], num_r
     block = _ROW_BLOCK
     rows = min(S, block)
     # every buffer is taken here, on this thread: the pool is not shared with the lanes
-    scratch = [(pool.block(f"x{i}", rows, D, x) if tokens else None, pool.block(f"act{i}", rows, F, x)) for i in range(lanes)]
+    scratch = [
+        (pool.block(f"x{i}", rows, D, x) if tokens else None, pool.block(f"act{i}", rows, F, x)) for i in range(lanes)
+    ]
     queue = _BlockQueue(counts, block, lanes)
 
     def lane(i: int) -> None:
@@ -374,8 +387,23 @@ def _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts: list[int], num_r
     return out, h1_SF, h3_SF, src_S, w_S
 
 
-def _blocks_backward(grad, x, w1, w3, w2, dest_TK, weights_dtype, counts: list[int], h1_SF, h3_SF, src_S, w_S,
-                     need_x: bool, need_w: bool, pool: "_BufferPool"):
+def _blocks_backward(
+    grad,
+    x,
+    w1,
+    w3,
+    w2,
+    dest_TK,
+    weights_dtype,
+    counts: list[int],
+    h1_SF,
+    h3_SF,
+    src_S,
+    w_S,
+    need_x: bool,
+    need_w: bool,
+    pool: _BufferPool,
+):
     """The backward of ``_ExpertBlocks`` from what ``_blocks_forward`` returned: ``(dx, grad_weights,
     dw1, dw3, dw2)``, ``dx`` None unless ``need_x``, ``grad_weights`` (the combine weights', tokens
     mode) None unless ``need_w``."""
@@ -398,9 +426,13 @@ def _blocks_backward(grad, x, w1, w3, w2, dest_TK, weights_dtype, counts: list[i
     dw3 = pool.empty("dw3", w3.shape, w3) if swiglu else None
     block = _ROW_BLOCK
     rows = min(S, block)
-    scratch = [(*((pool.block(f"g{i}", rows, D, x), pool.block(f"x{i}", rows, D, x)) if tokens else (None, None)),
-                *(pool.block(f"scratch{j}_{i}", rows, F, x) for j in range(4)))
-               for i in range(lanes)]
+    scratch = [
+        (
+            *((pool.block(f"g{i}", rows, D, x), pool.block(f"x{i}", rows, D, x)) if tokens else (None, None)),
+            *(pool.block(f"scratch{j}_{i}", rows, F, x) for j in range(4)),
+        )
+        for i in range(lanes)
+    ]
     queue = _BlockQueue(counts, block, lanes)
 
     def lane(i: int) -> None:
@@ -466,8 +498,11 @@ def _blocks_backward(grad, x, w1, w3, w2, dest_TK, weights_dtype, counts: list[i
     grad_w = None
     if need_w:
         valid = dest_TK >= 0
-        grad_w = torch.where(valid, dw_S[dest_TK.clamp(min=0)] if S else torch.zeros_like(dest_TK, dtype=dw_S.dtype),
-                             torch.zeros((), dtype=dw_S.dtype)).to(weights_dtype)
+        grad_w = torch.where(
+            valid,
+            dw_S[dest_TK.clamp(min=0)] if S else torch.zeros_like(dest_TK, dtype=dw_S.dtype),
+            torch.zeros((), dtype=dw_S.dtype),
+        ).to(weights_dtype)
     return dx, grad_w, dw1, dw3, dw2
 
 
@@ -500,8 +535,23 @@ class _ExpertBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w1, w3, w2, src, w, dest_TK, h1, h3 = ctx.saved_tensors
-        dx, grad_w, dw1, dw3, dw2 = _blocks_backward(grad, x, w1, w3, w2, dest_TK, ctx.weights_dtype, ctx.counts, h1, h3, src, w,
-                                                     ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.pool)
+        dx, grad_w, dw1, dw3, dw2 = _blocks_backward(
+            grad,
+            x,
+            w1,
+            w3,
+            w2,
+            dest_TK,
+            ctx.weights_dtype,
+            ctx.counts,
+            h1,
+            h3,
+            src,
+            w,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.pool,
+        )
         return dx, grad_w, dw1, dw3, dw2, None, None, None, None
 
 
@@ -538,19 +588,34 @@ def _host_counts(counts) -> list[int]:
 # tensors (h3 for GELU, the token maps in rows mode, gradients not asked for) are empty tensors,
 # since a custom op returns tensors only.
 
+
 def _or_empty(t, like):
     return like.new_empty(0) if t is None else t
 
 
 # schemas written out rather than inferred from the annotations (older torch versions cannot read
 # ``X | None`` annotations under ``from __future__ import annotations``)
-@torch.library.custom_op("switchyard::cpu_expert_blocks", mutates_args=(), schema=(
-    "(Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK, SymInt num_rows)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
-def _op_forward(x: torch.Tensor, counts_X: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor,
-                dest_TK: torch.Tensor | None, weights_TK: torch.Tensor | None, num_rows: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, h1, h3, src, w = _blocks_forward(x, weights_TK, w1, w3, w2, dest_TK, counts_X.tolist(), num_rows, _pool_for(w1))
+@torch.library.custom_op(
+    "switchyard::cpu_expert_blocks",
+    mutates_args=(),
+    schema=(
+        "(Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK, SymInt num_rows)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
+def _op_forward(
+    x: torch.Tensor,
+    counts_X: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor | None,
+    w2: torch.Tensor,
+    dest_TK: torch.Tensor | None,
+    weights_TK: torch.Tensor | None,
+    num_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, h1, h3, src, w = _blocks_forward(
+        x, weights_TK, w1, w3, w2, dest_TK, counts_X.tolist(), num_rows, _pool_for(w1)
+    )
     # an output may not be a view that another output or an input shares: the rows-mode output is
     # its own buffer, h1/h3 theirs
     return out, h1, _or_empty(h3, x), _or_empty(src, counts_X), _or_empty(w, x)
@@ -560,29 +625,70 @@ def _op_forward(x: torch.Tensor, counts_X: torch.Tensor, w1: torch.Tensor, w3: t
 def _(x, counts_X, w1, w3, w2, dest_TK, weights_TK, num_rows):
     F, D = w1.shape[2], w2.shape[2]
     tokens = dest_TK is not None
-    return (x.new_empty(x.shape[0], D), x.new_empty(num_rows, F), x.new_empty(num_rows if w3 is not None else 0, F),
-            counts_X.new_empty(num_rows if tokens else 0), x.new_empty(num_rows if tokens else 0))
+    return (
+        x.new_empty(x.shape[0], D),
+        x.new_empty(num_rows, F),
+        x.new_empty(num_rows if w3 is not None else 0, F),
+        counts_X.new_empty(num_rows if tokens else 0),
+        x.new_empty(num_rows if tokens else 0),
+    )
 
 
-@torch.library.custom_op("switchyard::cpu_expert_blocks_backward", mutates_args=(), schema=(
-    "(Tensor grad, Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK,"
-    " Tensor h1, Tensor h3, Tensor src, Tensor w, bool need_x, bool need_w) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
-def _op_backward(grad: torch.Tensor, x: torch.Tensor, counts_X: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None,
-                 w2: torch.Tensor, dest_TK: torch.Tensor | None, weights_TK: torch.Tensor | None, h1: torch.Tensor,
-                 h3: torch.Tensor, src: torch.Tensor, w: torch.Tensor, need_x: bool, need_w: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op(
+    "switchyard::cpu_expert_blocks_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad, Tensor x, Tensor counts_X, Tensor w1, Tensor? w3, Tensor w2, Tensor? dest_TK, Tensor? weights_TK,"
+        " Tensor h1, Tensor h3, Tensor src, Tensor w, bool need_x, bool need_w) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
+def _op_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    counts_X: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor | None,
+    w2: torch.Tensor,
+    dest_TK: torch.Tensor | None,
+    weights_TK: torch.Tensor | None,
+    h1: torch.Tensor,
+    h3: torch.Tensor,
+    src: torch.Tensor,
+    w: torch.Tensor,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     weights_dtype = None if weights_TK is None else weights_TK.dtype
-    dx, grad_w, dw1, dw3, dw2 = _blocks_backward(grad, x, w1, w3, w2, dest_TK, weights_dtype, counts_X.tolist(), h1,
-                                                 h3 if w3 is not None else None, src, w, need_x, need_w, _pool_for(w1))
+    dx, grad_w, dw1, dw3, dw2 = _blocks_backward(
+        grad,
+        x,
+        w1,
+        w3,
+        w2,
+        dest_TK,
+        weights_dtype,
+        counts_X.tolist(),
+        h1,
+        h3 if w3 is not None else None,
+        src,
+        w,
+        need_x,
+        need_w,
+        _pool_for(w1),
+    )
     return _or_empty(dx, x), _or_empty(grad_w, x), dw1, _or_empty(dw3, w1), dw2
 
 
 @_op_backward.register_fake
 def _(grad, x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w, need_x, need_w):
     need_w = need_w and dest_TK is not None
-    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
-            weights_TK.new_empty(dest_TK.shape) if need_w else x.new_empty(0),
-            w1.new_empty(w1.shape), w3.new_empty(w3.shape) if w3 is not None else w1.new_empty(0), w2.new_empty(w2.shape))
+    return (
+        x.new_empty(x.shape) if need_x else x.new_empty(0),
+        weights_TK.new_empty(dest_TK.shape) if need_w else x.new_empty(0),
+        w1.new_empty(w1.shape),
+        w3.new_empty(w3.shape) if w3 is not None else w1.new_empty(0),
+        w2.new_empty(w2.shape),
+    )
 
 
 def _op_setup_context(ctx, inputs, output):
@@ -595,9 +701,19 @@ def _op_setup_context(ctx, inputs, output):
 def _op_autograd(ctx, grad, *_unused):
     x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], dest_TK is not None and ctx.needs_input_grad[6]
-    dx, grad_w, dw1, dw3, dw2 = _op_backward(grad, x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w, need_x, need_w)
-    return (dx if need_x else None, None, dw1, dw3 if w3 is not None else None, dw2, None,
-            grad_w if need_w else None, None)
+    dx, grad_w, dw1, dw3, dw2 = _op_backward(
+        grad, x, counts_X, w1, w3, w2, dest_TK, weights_TK, h1, h3, src, w, need_x, need_w
+    )
+    return (
+        dx if need_x else None,
+        None,
+        dw1,
+        dw3 if w3 is not None else None,
+        dw2,
+        None,
+        grad_w if need_w else None,
+        None,
+    )
 
 
 _op_forward.register_autograd(_op_autograd, setup_context=_op_setup_context)
@@ -622,4 +738,6 @@ def routed_expert_ffn(x_TD, dest_TK, weights_TK, counts, w1, w3, w2, num_rows: i
     """``unpermute_combine(expert_ffn(permute(x_TD)), dest_TK, weights_TK)`` in one pass per row
     block, without the expert-ordered [S, D] buffers. ``num_rows`` bounds the kept rows (default
     every assignment, T * K)."""
-    return _run(x_TD.contiguous(), weights_TK, w1, w3, w2, dest_TK, counts, dest_TK.numel() if num_rows is None else num_rows)
+    return _run(
+        x_TD.contiguous(), weights_TK, w1, w3, w2, dest_TK, counts, dest_TK.numel() if num_rows is None else num_rows
+    )

@@ -13,6 +13,7 @@ the CPU) and ``loop`` (the per-expert reference; everywhere else, and whenever t
 ``use_expert_backend(...)``. A forced ``grouped_mm`` whose operands ``_grouped_mm`` does not take
 (misaligned, no rows, or a torch without it) runs the loop.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,7 @@ import os
 import torch
 
 from . import cpu_experts, grouped_gemm, reference
+
 
 class _Choice:
     """A process-wide choice among ``valid`` names: from the environment variable ``env`` at import,

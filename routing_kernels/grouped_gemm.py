@@ -11,6 +11,7 @@ rows) are ignored by ``_grouped_mm``, which leaves whatever the allocator held t
 included, and 0 x NaN is NaN in a later combine); they are set to zeros, as the loop backend
 returns them, by a device-side ``where`` (no host read), which also gives them zero gradient.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,17 +33,27 @@ def accepts(x_SD: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``_grouped_mm`` takes these operands: at least one row, contiguous rows, every
     operand's start and row strides 16-byte aligned (a ZeRO flat buffer can hand out an odd offset;
     a hidden size F of 10 fp32 values is a 40-byte stride)."""
-    return (available() and x_SD.shape[0] > 0 and x_SD.is_contiguous()
-            and all(_aligned_start(t) and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-                    for t in (x_SD, *weights)))
+    return (
+        available()
+        and x_SD.shape[0] > 0
+        and x_SD.is_contiguous()
+        and all(
+            _aligned_start(t) and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+            for t in (x_SD, *weights)
+        )
+    )
 
 
 def preferred(x_SD: torch.Tensor, w1_XDF: torch.Tensor) -> bool:
     """Where it was measured to win and checked to agree with the loop: bf16 on a Hopper GPU
     (sm_90), 2.3-28x faster than the per-expert loop at fine-grained shapes and on par at Mixtral's
     (``python -m experiments.bench_moe_layer --device cuda --grouped-mm``)."""
-    return (x_SD.is_cuda and x_SD.dtype == torch.bfloat16 and w1_XDF.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x_SD.device)[0] == 9)
+    return (
+        x_SD.is_cuda
+        and x_SD.dtype == torch.bfloat16
+        and w1_XDF.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x_SD.device)[0] == 9
+    )
 
 
 def expert_ffn(x_SD, counts_X: torch.Tensor, w1_XDF, w3_XDF, w2_XFD):

@@ -18,6 +18,7 @@ the 1/dp of data parallelism, without a separate pass over the gradients), and a
 ``p`` listed in ``param_copies`` has its updated value written into ``copy`` (e.g. bf16 compute
 weights) in the same pass.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,14 @@ class FusedAdamW(torch.optim.Optimizer):
     # step() takes grad_scale= and param_copies= (see the module docstring)
     fuses_scale_and_copy = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
         if not 0.0 <= float(lr):
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0.0 <= eps:
@@ -85,18 +92,33 @@ class FusedAdamW(torch.optim.Optimizer):
                 elif param_copies is not None and p in param_copies:
                     copy = param_copies[p]
                     if copy.numel() != p.numel() or not copy.is_contiguous():
-                        raise ValueError(f"param_copies: a copy of {copy.numel()} elements (contiguous: "
-                                         f"{copy.is_contiguous()}) for a parameter of {p.numel()}")
-                p_N, g_N, m_N, v_N = flat.view(-1), grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+                        raise ValueError(
+                            f"param_copies: a copy of {copy.numel()} elements (contiguous: "
+                            f"{copy.is_contiguous()}) for a parameter of {p.numel()}"
+                        )
+                p_N, g_N, m_N, v_N = (
+                    flat.view(-1),
+                    grad.reshape(-1),
+                    state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1),
+                )
                 c_N = None if copy is None else copy.view(-1)
                 n = p_N.numel()
                 chunk = _CPU_CHUNK if p_N.device.type == "cpu" else max(n, 1)
-                kw = dict(step=int(state["step"].item()), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                          eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=float(grad_scale))
+                kw = dict(
+                    step=int(state["step"].item()),
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    grad_scale=float(grad_scale),
+                )
                 for a in range(0, n, chunk):
                     b = min(a + chunk, n)
-                    dispatch.fused_adamw(p_N[a:b], g_N[a:b], m_N[a:b], v_N[a:b],
-                                         param_copy=None if c_N is None else c_N[a:b], **kw)
+                    dispatch.fused_adamw(
+                        p_N[a:b], g_N[a:b], m_N[a:b], v_N[a:b], param_copy=None if c_N is None else c_N[a:b], **kw
+                    )
                 if flat is not target:
                     target.copy_(flat)
                 if master is not None and copy is not p:

@@ -10,6 +10,7 @@ assignments), A assignments (T * K).
 An assignment (t, k) is *dropped* when its expert id is negative; every op skips it, and its
 destination row is -1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -142,8 +143,11 @@ class _UnpermuteCombine(torch.autograd.Function):
             # dL/dw[t,k] = <y[dest[t,k]], grad[t]>, taken in expert order before grad_SD is scaled
             dot_S = torch.bmm(y_SD.unsqueeze(1), grad_SD.unsqueeze(2)).view(S)
             valid = dest_TK >= 0
-            grad_w = torch.where(valid, dot_S[dest_TK.clamp(min=0)] if S else dest_TK.new_zeros(dest_TK.shape, dtype=dot_S.dtype),
-                                 torch.zeros((), dtype=dot_S.dtype, device=dot_S.device)).to(ctx.weights_dtype)
+            grad_w = torch.where(
+                valid,
+                dot_S[dest_TK.clamp(min=0)] if S else dest_TK.new_zeros(dest_TK.shape, dtype=dot_S.dtype),
+                torch.zeros((), dtype=dot_S.dtype, device=dot_S.device),
+            ).to(ctx.weights_dtype)
         if ctx.needs_input_grad[0]:
             w_S = row_weights(dest_TK, w_TK, S, w_TK.dtype)
             grad_y = grad_SD.mul_(w_S.unsqueeze(1))  # in place: no second [S, D] buffer
@@ -159,8 +163,9 @@ def unpermute_combine(y_SD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: tor
     return _UnpermuteCombine.apply(y_SD, dest_TK, weights_TK)
 
 
-def expert_ffn(x_SD: torch.Tensor, counts: list[int], w1_XDF: torch.Tensor, w3_XDF: torch.Tensor | None,
-               w2_XFD: torch.Tensor) -> torch.Tensor:
+def expert_ffn(
+    x_SD: torch.Tensor, counts: list[int], w1_XDF: torch.Tensor, w3_XDF: torch.Tensor | None, w2_XFD: torch.Tensor
+) -> torch.Tensor:
     """Each expert's FFN over its contiguous segment of rows (``counts[e]`` rows for expert e), one
     expert at a time, differentiated by autograd: SwiGLU ``(silu(x w1) * (x w3)) w2``, or GELU
     ``gelu(x w1) w2`` when ``w3`` is None.

@@ -9,16 +9,18 @@
   of its first expert and the number of experts in the model (dimension 0 runs over the experts
   this process holds). ZeRO shards, reduces and names parameters by this mark, never by module type.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-
 # --- collectives ---------------------------------------------------------------------------------
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -141,6 +143,7 @@ def first_pass_weight() -> float:
 
 
 # --- the expert-parameter mark -------------------------------------------------------------------
+
 
 class ExpertShard(NamedTuple):
     """What a process holds of an expert parameter: experts ``[offset, offset + shape[0])`` of

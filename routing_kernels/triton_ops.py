@@ -14,6 +14,7 @@ All row moves are one program per tile of [BLOCK_T tokens, BLOCK_D columns]; a t
 destinations are read from ``dest_TK``, so every op runs in token order and needs no inverse index
 and no atomics (``dest_TK`` is a bijection from kept assignments onto the rows [0, S)).
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,8 +61,9 @@ def _expert_scan_kernel(counts_EU_ptr, counts_E_ptr, NU, BLOCK_U: tl.constexpr):
 
 
 @triton.jit
-def _dest_kernel(ids_ptr, dest_ptr, base_EU_ptr, counts_E_ptr, offsets_E1_ptr, A, E, NU,
-                 BLOCK_A: tl.constexpr, E_PAD: tl.constexpr):
+def _dest_kernel(
+    ids_ptr, dest_ptr, base_EU_ptr, counts_E_ptr, offsets_E1_ptr, A, E, NU, BLOCK_A: tl.constexpr, E_PAD: tl.constexpr
+):
     b = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     cm = cols < E
@@ -136,7 +138,9 @@ def _permute_kernel(x_ptr, dest_ptr, out_ptr, T, D, K: tl.constexpr, BLOCK_T: tl
 
 
 @triton.jit
-def _permute_bwd_kernel(grad_SD_ptr, dest_ptr, grad_TD_ptr, T, D, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _permute_bwd_kernel(
+    grad_SD_ptr, dest_ptr, grad_TD_ptr, T, D, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tm = t < T
@@ -148,7 +152,11 @@ def _permute_bwd_kernel(grad_SD_ptr, dest_ptr, grad_TD_ptr, T, D, K: tl.constexp
         row = tl.load(dest_ptr + t64 * K + k, mask=tm, other=-1).to(tl.int64)
         g = tl.load(grad_SD_ptr + row[:, None] * D + d[None, :], mask=(row >= 0)[:, None] & dm[None, :], other=0.0)
         acc += g.to(tl.float32)
-    tl.store(grad_TD_ptr + t64[:, None] * D + d[None, :], acc.to(grad_TD_ptr.dtype.element_ty), mask=tm[:, None] & dm[None, :])
+    tl.store(
+        grad_TD_ptr + t64[:, None] * D + d[None, :],
+        acc.to(grad_TD_ptr.dtype.element_ty),
+        mask=tm[:, None] & dm[None, :],
+    )
 
 
 _ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -198,7 +206,9 @@ def _permute_launch(x_TD, dest_TK, num_rows: int, block_t=None, block_d=None, nu
     x_TD = x_TD.contiguous()
     dest_TK = dest_TK.contiguous()
     BT, BD = _row_blocks(T, D, x_TD.element_size(), block_t, block_d)
-    _permute_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x_TD, dest_TK, out_SD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD, num_warps=num_warps)
+    _permute_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+        x_TD, dest_TK, out_SD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD, num_warps=num_warps
+    )
     return out_SD
 
 
@@ -214,7 +224,9 @@ def _permute_bwd_launch(grad_SD, dest_TK, num_tokens: int, block_t=None, block_d
     dest_TK = dest_TK.contiguous()
     BT, BD = _row_blocks(num_tokens, D, grad_SD.element_size(), block_t, block_d)
     grid = (triton.cdiv(num_tokens, BT), triton.cdiv(D, BD))
-    _permute_bwd_kernel[grid](grad_SD, dest_TK, grad_TD, num_tokens, D, K=K, BLOCK_T=BT, BLOCK_D=BD, num_warps=num_warps)
+    _permute_bwd_kernel[grid](
+        grad_SD, dest_TK, grad_TD, num_tokens, D, K=K, BLOCK_T=BT, BLOCK_D=BD, num_warps=num_warps
+    )
     return grad_TD
 
 
@@ -242,7 +254,9 @@ def permute(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.T
 
 
 @triton.jit
-def _unpermute_combine_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, T, D, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _unpermute_combine_kernel(
+    y_ptr, dest_ptr, w_ptr, out_ptr, T, D, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tm = t < T
@@ -260,9 +274,22 @@ def _unpermute_combine_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, T, D, K: tl.const
 
 
 @triton.jit
-def _unpermute_combine_bwd_kernel(grad_ptr, y_ptr, dest_ptr, w_ptr, grad_y_ptr, grad_w_ptr, T, D,
-                                  K: tl.constexpr, K_PAD: tl.constexpr, NEED_GRAD_Y: tl.constexpr,
-                                  NEED_GRAD_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _unpermute_combine_bwd_kernel(
+    grad_ptr,
+    y_ptr,
+    dest_ptr,
+    w_ptr,
+    grad_y_ptr,
+    grad_w_ptr,
+    T,
+    D,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    NEED_GRAD_Y: tl.constexpr,
+    NEED_GRAD_W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # one program owns whole token rows: grad_w needs a dot product over all of D, and owning the
     # row makes that a register reduction instead of atomics across column tiles
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -281,14 +308,21 @@ def _unpermute_combine_bwd_kernel(grad_ptr, y_ptr, dest_ptr, w_ptr, grad_y_ptr, 
             rmask = kept[:, None] & dm[None, :]
             if NEED_GRAD_Y:
                 w = tl.load(w_ptr + t64 * K + k, mask=kept, other=0.0).to(grad_y_ptr.dtype.element_ty).to(tl.float32)
-                tl.store(grad_y_ptr + row[:, None] * D + d[None, :], (w[:, None] * g).to(grad_y_ptr.dtype.element_ty), mask=rmask)
+                tl.store(
+                    grad_y_ptr + row[:, None] * D + d[None, :],
+                    (w[:, None] * g).to(grad_y_ptr.dtype.element_ty),
+                    mask=rmask,
+                )
             if NEED_GRAD_W:
                 y = tl.load(y_ptr + row[:, None] * D + d[None, :], mask=rmask, other=0.0).to(tl.float32)
                 dot_TK += tl.where(kcols[None, :] == k, tl.sum(g * y, axis=1)[:, None], 0.0)
     if NEED_GRAD_W:
         # dropped slots read y as zeros above, so their gradient is exactly 0
-        tl.store(grad_w_ptr + t64[:, None] * K + kcols[None, :], dot_TK.to(grad_w_ptr.dtype.element_ty),
-                 mask=tm[:, None] & (kcols[None, :] < K))
+        tl.store(
+            grad_w_ptr + t64[:, None] * K + kcols[None, :],
+            dot_TK.to(grad_w_ptr.dtype.element_ty),
+            mask=tm[:, None] & (kcols[None, :] < K),
+        )
 
 
 def _unpermute_combine_launch(y_SD, dest_TK, weights_TK, block_t=None, block_d=None, num_warps=4):
@@ -299,7 +333,9 @@ def _unpermute_combine_launch(y_SD, dest_TK, weights_TK, block_t=None, block_d=N
     T = dest_TK.shape[0] if dest_TK.dim() == 2 else -1
     _check_dest(dest_TK, T)
     if weights_TK.shape != dest_TK.shape:
-        raise ValueError(f"weights_TK shape {tuple(weights_TK.shape)} differs from dest_TK shape {tuple(dest_TK.shape)}")
+        raise ValueError(
+            f"weights_TK shape {tuple(weights_TK.shape)} differs from dest_TK shape {tuple(dest_TK.shape)}"
+        )
     if not weights_TK.is_floating_point():
         raise ValueError(f"weights_TK must be floating point, got {weights_TK.dtype}")
     _check_device(y_SD, dest_TK, weights_TK)
@@ -313,13 +349,15 @@ def _unpermute_combine_launch(y_SD, dest_TK, weights_TK, block_t=None, block_d=N
     y_SD, dest_TK, weights_TK = y_SD.contiguous(), dest_TK.contiguous(), weights_TK.contiguous()
     BT, BD = _row_blocks(T, D, y_SD.element_size(), block_t, block_d)
     grid = (triton.cdiv(T, BT), triton.cdiv(D, BD))
-    _unpermute_combine_kernel[grid](y_SD, dest_TK, weights_TK, out_TD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD,
-                                    num_warps=num_warps)
+    _unpermute_combine_kernel[grid](
+        y_SD, dest_TK, weights_TK, out_TD, T, D, K=K, BLOCK_T=BT, BLOCK_D=BD, num_warps=num_warps
+    )
     return out_TD
 
 
-def _unpermute_combine_bwd_launch(grad_TD, y_SD, dest_TK, weights_TK, need_grad_y: bool, need_grad_w: bool,
-                                  block_t=None, block_d=None, num_warps=4):
+def _unpermute_combine_bwd_launch(
+    grad_TD, y_SD, dest_TK, weights_TK, need_grad_y: bool, need_grad_w: bool, block_t=None, block_d=None, num_warps=4
+):
     T, K = dest_TK.shape
     S, D = y_SD.shape
     grad_y = y_SD.new_empty(S, D) if need_grad_y else None
@@ -336,11 +374,21 @@ def _unpermute_combine_bwd_launch(grad_TD, y_SD, dest_TK, weights_TK, need_grad_
         block_t = max(1, min(triton.next_power_of_2(T), 2048 // block_d))
     grid = (triton.cdiv(T, block_t),)
     _unpermute_combine_bwd_kernel[grid](
-        grad_TD, y_SD, dest_TK, weights_TK,
+        grad_TD,
+        y_SD,
+        dest_TK,
+        weights_TK,
         grad_y if grad_y is not None else y_SD,  # unused pointer when the flag is off
         grad_w if grad_w is not None else weights_TK,
-        T, D, K=K, K_PAD=triton.next_power_of_2(K), NEED_GRAD_Y=need_grad_y, NEED_GRAD_W=need_grad_w,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+        T,
+        D,
+        K=K,
+        K_PAD=triton.next_power_of_2(K),
+        NEED_GRAD_Y=need_grad_y,
+        NEED_GRAD_W=need_grad_w,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return grad_y, grad_w
 
@@ -371,9 +419,25 @@ def unpermute_combine(y_SD: torch.Tensor, dest_TK: torch.Tensor, weights_TK: tor
 
 
 @triton.jit
-def _fused_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, N, decay, one_minus_beta1, beta2, one_minus_beta2,
-                        neg_step_size, bias2_sqrt, eps, grad_scale, LERP_FROM_END: tl.constexpr,
-                        HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+def _fused_adamw_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    copy_ptr,
+    N,
+    decay,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    neg_step_size,
+    bias2_sqrt,
+    eps,
+    grad_scale,
+    LERP_FROM_END: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     p = tl.load(p_ptr + offs, mask=mask)
@@ -397,8 +461,23 @@ def _fused_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, N, decay, one_minu
         tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
 
 
-def _fused_adamw_launch(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-                        grad_scale, param_copy, block=None, num_warps=4):
+def _fused_adamw_launch(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    grad_scale,
+    param_copy,
+    block=None,
+    num_warps=4,
+):
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 (master weights and moments), got {t.dtype}")
@@ -430,9 +509,24 @@ def _fused_adamw_launch(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, be
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
     _fused_adamw_kernel[(triton.cdiv(N, block),)](
-        param, grad, exp_avg, exp_avg_sq, param_copy if param_copy is not None else param, N,
-        1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, -lr / bias1, bias2**0.5, eps, grad_scale,
-        LERP_FROM_END=not abs(1.0 - beta1) < 0.5, HAS_COPY=param_copy is not None, BLOCK=block, num_warps=num_warps,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        param_copy if param_copy is not None else param,
+        N,
+        1.0 - lr * weight_decay,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        -lr / bias1,
+        bias2**0.5,
+        eps,
+        grad_scale,
+        LERP_FROM_END=not abs(1.0 - beta1) < 0.5,
+        HAS_COPY=param_copy is not None,
+        BLOCK=block,
+        num_warps=num_warps,
     )
 
 
@@ -453,8 +547,18 @@ def fused_adamw(
 ) -> None:
     """Same contract as ``reference.fused_adamw``: one in-place AdamW step over flat buffers."""
     _fused_adamw_launch(
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-        eps=float(eps), weight_decay=float(weight_decay), grad_scale=float(grad_scale), param_copy=param_copy,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step=step,
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        grad_scale=float(grad_scale),
+        param_copy=param_copy,
     )
 
 

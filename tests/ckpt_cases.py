@@ -5,6 +5,7 @@ a head) trained with torch's AdamW under a named layout on a fixed global batch 
 takes its rows. ``run`` trains from scratch or from a checkpoint and returns the dp-mean loss of
 every step, the whole model's final weights (this rank's experts at their global rows) and buffers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,10 +36,12 @@ class Net(nn.Module):
         super().__init__()
         cfg = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=2, expert_bias=True, bias_update_rate=1e-2)
         self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList([
-            nn.Sequential(nn.LayerNorm(D), nn.Linear(D, F), nn.GELU(), nn.Linear(F, D)),
-            MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group),
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.LayerNorm(D), nn.Linear(D, F), nn.GELU(), nn.Linear(F, D)),
+                MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group),
+            ]
+        )
         self.head = nn.Linear(D, 1)
 
     def forward(self, x):
@@ -59,8 +62,14 @@ def build(layout: Layout, stage: int, offload: bool) -> ZeroEngine:
             src = whole[n] if mark is None else whole[n][mark.offset : mark.offset + p.shape[0]]
             p.copy_(src)
     # eps 1e-4: Adam would forgive a wrongly scaled state at the usual 1e-8 (docs/design.md)
-    return ZeroEngine(net, layout, stage=stage, offload=offload, max_grad_norm=0.5,
-                      optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-2, eps=1e-4, weight_decay=0.1, foreach=True))
+    return ZeroEngine(
+        net,
+        layout,
+        stage=stage,
+        offload=offload,
+        max_grad_norm=0.5,
+        optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-2, eps=1e-4, weight_decay=0.1, foreach=True),
+    )
 
 
 def batch(step: int):
@@ -116,7 +125,9 @@ def layout_of(name: str) -> Layout | None:
             assert world == 2 and ep == 1, name
             group = dist.new_group([0, 1])  # every rank creates it, members or not
             rank = dist.get_rank()
-            _layouts[name] = Layout(world=2, rank=rank, dp=2, ep=1, dp_group=group, edp_group=group) if rank < 2 else None
+            _layouts[name] = (
+                Layout(world=2, rank=rank, dp=2, ep=1, dp_group=group, edp_group=group) if rank < 2 else None
+            )
     return _layouts[name]
 
 
@@ -149,9 +160,20 @@ def matrix_rank(rank, world, jobs):
 
 
 # ----- the trainer ---------------------------------------------------------------------------
-TRAIN = ["model=tiny", "logger=none", "train.progress=false", "train.batch_size=4", "train.seq_len=16",
-         "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=6", "train.log_every=1", "train.eval_every=3",
-         "train.checkpoint.every=3", "moe.expert_bias=true"]
+TRAIN = [
+    "model=tiny",
+    "logger=none",
+    "train.progress=false",
+    "train.batch_size=4",
+    "train.seq_len=16",
+    "train.eval_batches=1",
+    "optim.warmup_steps=2",
+    "train.steps=6",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "train.checkpoint.every=3",
+    "moe.expert_bias=true",
+]
 
 
 def train_cfg(*overrides):
@@ -202,18 +224,22 @@ def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
     train = functools.partial(train_on, data=build_data(cfg.data, seed=cfg.seed))  # the corpus read once
     layout = ["parallel=ep2", "parallel.zero_stage=3"]
     # saved asynchronously: the training it overlaps must not change, and its checkpoints must be complete
-    out = {"full": train(train_cfg(*layout, "train.checkpoint.async_save=true"), run_dir=f"{root}/full", keep_weights=True)}
+    out = {
+        "full": train(train_cfg(*layout, "train.checkpoint.async_save=true"), run_dir=f"{root}/full", keep_weights=True)
+    }
     undo = signal_at(3, signal.SIGTERM) if rank == 0 else (lambda: None)
     try:
         out["preempted"] = train(train_cfg(*layout), run_dir=f"{root}/pre")
     finally:
         undo()
     out["resumed"] = train(train_cfg(*layout), run_dir=f"{root}/pre", keep_weights=True)
-    out["from_single"] = train(train_cfg(*layout, f"train.resume={single_ckpt}"), run_dir=f"{root}/from_single",
-                               keep_weights=True)
+    out["from_single"] = train(
+        train_cfg(*layout, f"train.resume={single_ckpt}"), run_dir=f"{root}/from_single", keep_weights=True
+    )
     out["pp"] = train(train_cfg(*PP), run_dir=f"{root}/pp")
-    out["pp_from_single"] = train(train_cfg(*PP, f"train.resume={single_ga2_ckpt}"), run_dir=f"{root}/pp_from_single",
-                                  keep_weights=True)
+    out["pp_from_single"] = train(
+        train_cfg(*PP, f"train.resume={single_ga2_ckpt}"), run_dir=f"{root}/pp_from_single", keep_weights=True
+    )
     return out
 
 
@@ -253,8 +279,15 @@ def shared_verification_rank(rank, world, root):
             found = ck.latest()
     finally:
         zc.file_digest = digest
-    return {"found": found.name, "victim": victim, "read": read, "warned": [str(w.message) for w in caught],
-            "files": {p.name: sorted(json.loads((p / zc.MANIFEST).read_text())["files"]) for _, p in zc.list_checkpoints(root)}}
+    return {
+        "found": found.name,
+        "victim": victim,
+        "read": read,
+        "warned": [str(w.message) for w in caught],
+        "files": {
+            p.name: sorted(json.loads((p / zc.MANIFEST).read_text())["files"]) for _, p in zc.list_checkpoints(root)
+        },
+    }
 
 
 class SubmititJob:
@@ -292,5 +325,9 @@ class SubmititJob:
         run_dir = Path(self.run_dir)
         complete = [s for s, p in zc.list_checkpoints(run_dir / "checkpoints") if zc.verify(p) is None]
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else None
-        (run_dir / f"handed_over_{self.attempt}.json").write_text(json.dumps({"complete": complete, "summary": summary}))
-        return submitit.helpers.DelayedSubmission(SubmititJob(self.run_dir, self.overrides, self.signal_step, self.attempt + 1))
+        (run_dir / f"handed_over_{self.attempt}.json").write_text(
+            json.dumps({"complete": complete, "summary": summary})
+        )
+        return submitit.helpers.DelayedSubmission(
+            SubmititJob(self.run_dir, self.overrides, self.signal_step, self.attempt + 1)
+        )

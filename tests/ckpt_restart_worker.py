@@ -15,6 +15,7 @@ torchrun's attempt i (``TORCHELASTIC_RESTART_COUNT``); later attempts run undist
 Before dying the rank appends ``<moment>:<step>:<rank>`` as a line to ``SWITCHYARD_TEST_KILL_MARK``
 (fsynced), so the test knows which kills happened. Nothing is patched without ``SWITCHYARD_TEST_KILL``.
 """
+
 import os
 import signal
 from pathlib import Path
@@ -25,9 +26,17 @@ MOMENTS = ("save", "forward", "optimizer")
 def parse_kill(spec: str) -> tuple[str, int, int]:
     """``<moment>:<step>:<rank>`` -> (moment, step, rank); an error names the value and what is valid."""
     parts = spec.split(":")
-    if len(parts) != 3 or parts[0] not in MOMENTS or not parts[1].isdigit() or not parts[2].isdigit() or int(parts[1]) < 1:
-        raise ValueError(f"SWITCHYARD_TEST_KILL={spec!r} is invalid: expected <moment>:<step>:<rank> with moment one of "
-                         f"{MOMENTS}, step >= 1 and rank >= 0, e.g. 'save:4:1'")
+    if (
+        len(parts) != 3
+        or parts[0] not in MOMENTS
+        or not parts[1].isdigit()
+        or not parts[2].isdigit()
+        or int(parts[1]) < 1
+    ):
+        raise ValueError(
+            f"SWITCHYARD_TEST_KILL={spec!r} is invalid: expected <moment>:<step>:<rank> with moment one of "
+            f"{MOMENTS}, step >= 1 and rank >= 0, e.g. 'save:4:1'"
+        )
     return parts[0], int(parts[1]), int(parts[2])
 
 

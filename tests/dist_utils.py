@@ -13,6 +13,7 @@ their imports are done, and the process group connects under a long rendezvous t
 does the collective timeout (``collective_timeout``, short in the timeout tests) apply, so a rank
 that starts seconds late no longer fails the others' start ("1/2 clients joined").
 """
+
 from __future__ import annotations
 
 import io
@@ -43,8 +44,15 @@ def _worker(rank, world, port, fn, args, results, collective_timeout, started, i
     torch.set_num_threads(1)
     # torchrun's environment, agent store included: a rank function may also initialise the process
     # group itself (init=False), e.g. through zero.init_distributed, and joins the same store
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     try:
         started.wait()  # every rank has finished its imports: the rendezvous starts together
         if init:
@@ -66,8 +74,15 @@ def _worker(rank, world, port, fn, args, results, collective_timeout, started, i
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 240.0, collective_timeout: float = 120.0,
-                    init: bool = True, allow_exit: bool = False):
+def run_distributed(
+    fn,
+    world: int,
+    *args,
+    timeout: float = 240.0,
+    collective_timeout: float = 120.0,
+    init: bool = True,
+    allow_exit: bool = False,
+):
     """Returns ``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``.
 
     ``init=False``: the ranks get torchrun's environment but no process group; ``fn`` creates it
@@ -77,8 +92,14 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0, collective_ti
     results = ctx.Queue()
     started = ctx.Barrier(world)
     store = start_rendezvous()  # served until the ranks are done
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, fn, args, results, collective_timeout, started, init), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world, store.port, fn, args, results, collective_timeout, started, init),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out, errors, exited = {}, {}, {}
@@ -97,8 +118,10 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0, collective_ti
                     # pipe a moment before calling a finished rank's result lost
                     if now - dead_since.setdefault(r, now) > 3.0:
                         if not allow_exit:
-                            raise RuntimeError(f"rank {r} exited with code {p.exitcode} without returning a result "
-                                               f"(results so far from ranks {sorted(out)})")
+                            raise RuntimeError(
+                                f"rank {r} exited with code {p.exitcode} without returning a result "
+                                f"(results so far from ranks {sorted(out)})"
+                            )
                         exited[r] = RankExited(p.exitcode)
                 if now > deadline:
                     missing = world - len(out) - len(errors) - len(exited)

@@ -4,6 +4,7 @@ Every case builds the single-process layer from a seed, builds the sharded layer
 copies the same weights into it (experts sliced by ep rank), runs the rank's slice of one global
 batch and returns what the test compares with the single-process run.
 """
+
 from __future__ import annotations
 
 import torch
@@ -93,8 +94,13 @@ def train_case(layout: Layout, cfg: MoEConfig, steps: int, global_bs: int, max_n
     model = TinyMoENet(cfg, d_in, layout.ep_group, layout.dp_group)
     copy_full_into_sharded(model, full)
     # the stage-0 engine (plain data parallelism) with the reference's optimizer
-    engine = ZeroEngine(model, layout, stage=0, max_grad_norm=max_norm,
-                        optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01))
+    engine = ZeroEngine(
+        model,
+        layout,
+        stage=0,
+        max_grad_norm=max_norm,
+        optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01),
+    )
     local = global_bs // layout.dp
     losses, norms = [], []
     for step in range(steps):
@@ -110,7 +116,12 @@ def train_case(layout: Layout, cfg: MoEConfig, steps: int, global_bs: int, max_n
         if layout.dp_group is not None:
             dist.all_reduce(reported, group=layout.dp_group)
         losses.append(reported.item() / layout.dp)
-    return {"losses": losses, "norms": norms, "params": engine.full_parameters(), "expert_offset": model.moe.experts.expert_offset}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": engine.full_parameters(),
+        "expert_offset": model.moe.experts.expert_offset,
+    }
 
 
 def ep_rank_fn(rank, world, plan):
@@ -125,7 +136,12 @@ def ep_rank_fn(rank, world, plan):
             layout = layouts.setdefault(kw["ep"], Layout.build(ep=kw["ep"]))
             torch.manual_seed(0)
             model = TinyMoENet(kw["cfg"], 8, layout.ep_group, layout.dp_group)
-            out.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "expert_offset": model.moe.experts.expert_offset})
+            out.append(
+                {
+                    "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "expert_offset": model.moe.experts.expert_offset,
+                }
+            )
             continue
         if kind == "mismatch":
             out.append(config_mismatch_fn(rank, world))

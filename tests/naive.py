@@ -6,6 +6,7 @@ ops on one token row. Slow on purpose; the tests keep shapes small.
 
 Shapes follow the project's legend (docs/design.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -157,12 +158,17 @@ def naive_moe(cfg, params: dict, x_TD, ids_TK, weights_TK):
             e = int(ids_TK[t, k])
             if e < 0:
                 continue
-            acc = acc + weights_TK[t, k] * expert_ffn(x_TD[t], w1[e], None if w3 is None else w3[e], w2[e], cfg.activation)
+            acc = acc + weights_TK[t, k] * expert_ffn(
+                x_TD[t], w1[e], None if w3 is None else w3[e], w2[e], cfg.activation
+            )
         if "shared_experts.w1.weight" in params:
             sw3 = params.get("shared_experts.w3.weight")
             acc = acc + expert_ffn(
-                x_TD[t], params["shared_experts.w1.weight"].t(), None if sw3 is None else sw3.t(),
-                params["shared_experts.w2.weight"].t(), cfg.activation,
+                x_TD[t],
+                params["shared_experts.w1.weight"].t(),
+                None if sw3 is None else sw3.t(),
+                params["shared_experts.w2.weight"].t(),
+                cfg.activation,
             )
         rows.append(acc)
     return torch.stack(rows) if rows else x_TD.clone()

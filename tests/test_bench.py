@@ -1,5 +1,6 @@
 """The CPU layer benchmark's measuring code runs (on a tiny layer): benchmarks are scripts, not
 tests, but a broken one should not wait for the next person who wants a figure."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_measure_side_by_side_reports_ratios(per_core):
     T, D, F, E, K = 64, 16, 32, 4, 2
     layer, x, g = make_layer(T, D, F, E, K)
-    t, rate, frac, core = measure_side_by_side(layer, x, g, ideal_expert_flops(T, D, F, K), reps=3, n=64, rest=0.0, per_core=per_core)
+    t, rate, frac, core = measure_side_by_side(
+        layer, x, g, ideal_expert_flops(T, D, F, K), reps=3, n=64, rest=0.0, per_core=per_core
+    )
     assert t > 0 and rate > 0 and frac > 0
     assert (core is None) != per_core and (core is None or core > 0)
     assert x.grad is not None and layer.experts.w1.grad is not None  # it ran forward and backward
@@ -31,7 +34,9 @@ def test_bench_hf_steps_every_model_on_the_same_weights():
         assert set(models) == ({"stock", "patched", "ours"} if arch == "mixtral" else {"stock", "patched"})
         torch.manual_seed(1)
         r = measure(models, torch.randint(0, 50, (2, 12)), reps=1, device=torch.device("cpu"))
-        assert all(t > 0 for t in r["time"].values()) and set(r["ratios"]) == set(models) - {"stock"} == set(r["spread"])
+        assert all(t > 0 for t in r["time"].values()) and set(r["ratios"]) == set(models) - {"stock"} == set(
+            r["spread"]
+        )
         assert all(lo <= r["ratios"][n] <= hi for n, (lo, hi) in r["spread"].items())
         # the same weights and batch: the same first loss (fp32 rounding of a different op order)
         for name, loss in r["loss"].items():

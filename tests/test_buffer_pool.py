@@ -7,6 +7,7 @@ copy of the layer whose pool is empty (so every buffer is new), that results are
 autograd still holds is overwritten: a kept gradient, a kept output, a graph kept for a later
 backward, gradients accumulated over two backward passes, a batch that changes shape.
 """
+
 from __future__ import annotations
 
 import copy

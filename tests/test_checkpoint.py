@@ -5,6 +5,7 @@ The reshard matrix saves after 3 of 6 steps under each of single, dp2 ZeRO-1 + o
 ep2 ZeRO-3 and ep4 ZeRO-2 (4 ranks), and resumes each checkpoint under every layout, in one spawn of
 4 ranks (the 2-rank layout on ranks 0-1 over a subgroup) and one process.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,7 +74,7 @@ def test_same_layout_resumes_bit_for_bit(matrix):
     results, _ = matrix
     for name in cc.LAYOUTS:
         full, resumed = results[(name, None)], results[(name, name)]
-        assert resumed[0]["losses"] == full[0]["losses"][cc.SAVE_AT:], name
+        assert resumed[0]["losses"] == full[0]["losses"][cc.SAVE_AT :], name
         for a, b in zip(full, resumed):
             for n, (_, w) in a["weights"].items():
                 assert torch.equal(b["weights"][n][1], w), f"{name}: {n}"
@@ -92,9 +93,14 @@ def test_every_layout_resumes_every_other(matrix):
     for name, src in pairs:
         got = results[(name, src)]
         what = f"{name} resumed from {src}" if src else f"{name} uninterrupted"
-        want = ref["losses"][cc.SAVE_AT:] if src else ref["losses"]
-        torch.testing.assert_close(torch.tensor(got[0]["losses"]), torch.tensor(want), rtol=LOSS_RTOL, atol=0,
-                                   msg=lambda m: f"{what}: losses: {m}")
+        want = ref["losses"][cc.SAVE_AT :] if src else ref["losses"]
+        torch.testing.assert_close(
+            torch.tensor(got[0]["losses"]),
+            torch.tensor(want),
+            rtol=LOSS_RTOL,
+            atol=0,
+            msg=lambda m: f"{what}: losses: {m}",
+        )
         w = assemble(got)
         assert set(w) == set(ref_w), what
         for n, want_w in ref_w.items():
@@ -117,7 +123,7 @@ def test_replicas_are_written_once(matrix):
     for name, path in ck.items():
         md = zc.SafeReader(path).read_metadata()
         entries = md.state_dict_metadata
-        params = {k[len(zc.PARAM):]: v.size.numel() for k, v in entries.items() if k.startswith(zc.PARAM)}
+        params = {k[len(zc.PARAM) :]: v.size.numel() for k, v in entries.items() if k.startswith(zc.PARAM)}
         assert params and all(isinstance(v, TensorStorageMetadata) for v in entries.values()), name
         for key in ("", "exp_avg/", "exp_avg_sq/"):
             prefix = zc.PARAM if not key else f"{zc.OPTIM}{key}"
@@ -347,7 +353,9 @@ def trainer_runs(tmp_path_factory):
     from experiments.train import train
 
     cfg = cc.train_cfg()
-    train = functools.partial(train, data=build_data(cfg.data, seed=cfg.seed))  # and the cache exists before the ranks start
+    train = functools.partial(
+        train, data=build_data(cfg.data, seed=cfg.seed)
+    )  # and the cache exists before the ranks start
     root = tmp_path_factory.mktemp("trainer")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -360,8 +368,11 @@ def trainer_runs(tmp_path_factory):
         ga2_at3 = zc.step_dir(root / "single_ga2" / "checkpoints", 3)
         two = run_distributed(cc.trainer_rank, 2, str(root / "two"), str(at3), str(ga2_at3), timeout=400)
         pp_at3 = zc.step_dir(root / "two" / "pp" / "checkpoints", 3)
-        ga2["from_pp"] = train(cc.train_cfg("train.grad_accum=2", f"train.resume={pp_at3}"), run_dir=root / "ga2_from_pp",
-                               keep_weights=True)
+        ga2["from_pp"] = train(
+            cc.train_cfg("train.grad_accum=2", f"train.resume={pp_at3}"),
+            run_dir=root / "ga2_from_pp",
+            keep_weights=True,
+        )
     finally:
         torch.set_num_threads(n)
     return root, single, single_resumed, two, ga2
@@ -376,7 +387,9 @@ def test_trainer_resumes_bit_for_bit(trainer_runs):
         assert torch.equal(resumed["weights"][name], w), name
     rows = lambda d: [json.loads(l) for l in (root / d / "metrics.jsonl").read_text().splitlines()]
     got, want = rows("single_resumed"), rows("single")[3:]
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == [(r["step"], r["loss"], r["grad_norm"]) for r in want]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in want
+    ]
     # the checkpoint carries the resolved config beside the state
     assert "expert_bias: true" in (zc.step_dir(root / "single" / "checkpoints", 3) / "config.yaml").read_text()
 
@@ -408,8 +421,9 @@ def test_trainer_resumes_a_single_process_checkpoint_on_two_ranks(trainer_runs):
     _, single, _, two, _ = trainer_runs
     got = [r["from_single"] for r in two]
     assert got[0]["resumed_from_step"] == 3
-    torch.testing.assert_close(torch.tensor(got[0]["train_losses"]), torch.tensor(single["train_losses"]),
-                               rtol=TRAIN_LOSS_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(got[0]["train_losses"]), torch.tensor(single["train_losses"]), rtol=TRAIN_LOSS_RTOL, atol=0
+    )
     full = _assemble_ranks(got, single["weights"])
     for name, w in single["weights"].items():
         torch.testing.assert_close(full[name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL, msg=lambda m: f"{name}: {m}")
@@ -422,13 +436,23 @@ def test_pipeline_stages_and_one_process_resume_each_other(trainer_runs):
     pp = [r["pp_from_single"] for r in two]
     for got, what in ((ga2["from_pp"], "one process from pp=2"), (pp[0], "pp=2 from one process")):
         assert got["resumed_from_step"] == 3, what
-        torch.testing.assert_close(torch.tensor(got["train_losses"]), torch.tensor(ga2["train_losses"]),
-                                   rtol=TRAIN_LOSS_RTOL, atol=0, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(got["train_losses"]),
+            torch.tensor(ga2["train_losses"]),
+            rtol=TRAIN_LOSS_RTOL,
+            atol=0,
+            msg=lambda m: f"{what}: {m}",
+        )
     full = {**pp[0]["weights"], **pp[1]["weights"]}  # each stage holds its own layers, whole
     for name, w in ga2["weights"].items():
         torch.testing.assert_close(full[name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL, msg=lambda m: f"pp=2: {name}: {m}")
-        torch.testing.assert_close(ga2["from_pp"]["weights"][name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL,
-                                   msg=lambda m: f"one process from pp=2: {name}: {m}")
+        torch.testing.assert_close(
+            ga2["from_pp"]["weights"][name],
+            w,
+            rtol=0,
+            atol=TRAIN_WEIGHT_ATOL,
+            msg=lambda m: f"one process from pp=2: {name}: {m}",
+        )
 
 
 def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_path):
@@ -449,7 +473,9 @@ def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_pat
             if exact:
                 assert torch.equal(tensors[name], w), name
             else:
-                torch.testing.assert_close(tensors[name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(
+                    tensors[name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL, msg=lambda m: f"{name}: {m}"
+                )
         assert any(k.endswith("expert_bias") and v.abs().sum() > 0 for k, v in tensors.items())
         assert (out / "config.yaml").is_file()
 
@@ -459,13 +485,20 @@ def test_zero_checkpoint_imports_without_moe_or_hydra():
     import sys
     from pathlib import Path
 
-    code = ("import sys\n"
-            "for m in ('hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors'): sys.modules[m] = None\n"
-            "import zero.checkpoint\n"
-            "assert 'moe' not in sys.modules, 'zero imports moe'\n")
+    code = (
+        "import sys\n"
+        "for m in ('hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors'): sys.modules[m] = None\n"
+        "import zero.checkpoint\n"
+        "assert 'moe' not in sys.modules, 'zero imports moe'\n"
+    )
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                            env=dict(os.environ, PYTHONPATH=str(root)))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 

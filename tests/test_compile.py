@@ -10,6 +10,7 @@ largest entry, fp32): AOTAutograd may decompose an op into others that sum in an
 (measured here: bit-identical; Inductor's fused kernels on the same model: 2e-7 forward, 5e-7
 gradients); a wrong gradient or a statistic counted twice is off by far more.
 """
+
 import copy
 import dataclasses
 
@@ -18,7 +19,6 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-import moe
 import routing_kernels as rk
 from moe import MoEConfig, MoELayer, Transformer, TransformerConfig
 
@@ -35,6 +35,7 @@ def _fresh_dynamo():
     yield
     torch._dynamo.reset()
 
+
 MOE = {
     # Mixtral: dropless token choice, softmax then top-2
     "dropless": MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2, z_loss_coef=1e-2),
@@ -42,9 +43,21 @@ MOE = {
     "capacity": MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=1, capacity_factor=1.0, drop_policy="position"),
     # DeepSeek-V3-like: sigmoid scores, groups, aux-loss-free bias, a gated shared expert, the
     # sequence balancing loss, capacity by weight
-    "deepseek": MoEConfig(d_model=32, d_ff=16, num_experts=8, top_k=3, score_func="sigmoid", num_groups=4, topk_groups=2,
-                          route_scale=2.5, expert_bias=True, num_shared_experts=1, shared_expert_gate=True,
-                          seq_aux_loss_coef=1e-2, capacity_factor=1.25),
+    "deepseek": MoEConfig(
+        d_model=32,
+        d_ff=16,
+        num_experts=8,
+        top_k=3,
+        score_func="sigmoid",
+        num_groups=4,
+        topk_groups=2,
+        route_scale=2.5,
+        expert_bias=True,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+        seq_aux_loss_coef=1e-2,
+        capacity_factor=1.25,
+    ),
     # expert choice (every expert takes its top-C tokens)
     "expert_choice": MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2, router="expert_choice", activation="gelu"),
 }
@@ -52,7 +65,9 @@ MOE = {
 
 def _model(kind: str, **kw) -> Transformer:
     torch.manual_seed(0)
-    cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, moe=MOE[kind], **kw)
+    cfg = TransformerConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, moe=MOE[kind], **kw
+    )
     return Transformer(cfg)
 
 
@@ -86,10 +101,17 @@ class _Tap(nn.Module):
         return logits
 
 
-@pytest.mark.parametrize("kind, backend", [("dropless", "cpu_blocks"), ("capacity", "cpu_blocks"), ("deepseek", "cpu_blocks"),
-                                           # the reference loop reads the counts on the host: a graph break
-                                           # inside the layer, whose aux-loss gradient must survive it
-                                           ("capacity", "loop")])
+@pytest.mark.parametrize(
+    "kind, backend",
+    [
+        ("dropless", "cpu_blocks"),
+        ("capacity", "cpu_blocks"),
+        ("deepseek", "cpu_blocks"),
+        # the reference loop reads the counts on the host: a graph break
+        # inside the layer, whose aux-loss gradient must survive it
+        ("capacity", "loop"),
+    ],
+)
 def test_compiled_block_equals_eager(kind, backend):
     eager = _model(kind)
     compiled = copy.deepcopy(eager)
@@ -105,8 +127,13 @@ def test_compiled_block_equals_eager(kind, backend):
                 model.zero_grad(set_to_none=True)
                 logits = model(_ids(step))
                 logits.square().mean().backward()
-                taps.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
-                             [layer.stats for layer in model.moe_layers()]))
+                taps.append(
+                    (
+                        logits.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()},
+                        [layer.stats for layer in model.moe_layers()],
+                    )
+                )
     assert _graphs_compiled() >= 1  # the blocks did compile (not a silent fallback to eager)
     for (y_e, g_e, s_e), (y_c, g_c, s_c) in zip(taps[:2], taps[2:]):
         assert _close(y_e, y_c)
@@ -118,7 +145,9 @@ def test_compiled_block_equals_eager(kind, backend):
                 assert _close(getattr(a, field.name).double(), getattr(b, field.name).double()), field.name
     for le, lc in zip(eager.moe_layers(), compiled.moe_layers()):
         assert torch.equal(le.load_since_update, lc.load_since_update)  # two training forwards, counted once each
-        assert len(lc.router_logits_tap.seen) == 2 and all(_close(a, b) for a, b in zip(le.router_logits_tap.seen, lc.router_logits_tap.seen))
+        assert len(lc.router_logits_tap.seen) == 2 and all(
+            _close(a, b) for a, b in zip(le.router_logits_tap.seen, lc.router_logits_tap.seen)
+        )
 
 
 def test_aux_loss_gradient_reaches_the_router_when_compiled():
@@ -154,26 +183,41 @@ def test_checkpointed_compiled_blocks_count_statistics_once():
 
 # --- the trainer ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_train_compile_curve_equals_eager(tmp_path, monkeypatch, zero_stage):
     hydra = pytest.importorskip("hydra")  # noqa: F841 (the trainer's config tree)
-    from tests.test_train import cfg_of, run
     from experiments.data import load_stdlib
+    from tests.test_train import cfg_of, run
 
     compile_blocks = Transformer.compile_blocks
     # the trainer compiles with Inductor by default; aot_eager traces the same graphs (docstring)
-    monkeypatch.setattr(Transformer, "compile_blocks", lambda self, **kw: compile_blocks(self, backend="aot_eager", **kw))
+    monkeypatch.setattr(
+        Transformer, "compile_blocks", lambda self, **kw: compile_blocks(self, backend="aot_eager", **kw)
+    )
     stdlib = load_stdlib()
-    common = ["model=tiny", "model.n_layers=2", "logger=none", "train.progress=false", "train.batch_size=4", "train.seq_len=16",
-              "train.steps=10", "train.log_every=1", "train.eval_every=5", "train.eval_batches=1", "optim.warmup_steps=2",
-              f"parallel.zero_stage={zero_stage}", "moe.z_loss_coef=1e-2"]
+    common = [
+        "model=tiny",
+        "model.n_layers=2",
+        "logger=none",
+        "train.progress=false",
+        "train.batch_size=4",
+        "train.seq_len=16",
+        "train.steps=10",
+        "train.log_every=1",
+        "train.eval_every=5",
+        "train.eval_batches=1",
+        "optim.warmup_steps=2",
+        f"parallel.zero_stage={zero_stage}",
+        "moe.z_loss_coef=1e-2",
+    ]
     eager = run(cfg_of(*common), tmp_path, stdlib, "eager", keep_weights=True)
     compiled = run(cfg_of(*common, "train.compile=true"), tmp_path, stdlib, "compiled", keep_weights=True)
     assert _graphs_compiled() >= 2  # training and validation (eval mode) graphs
     assert len(compiled["train_losses"]) == 10
     for a, b in zip(eager["train_losses"], compiled["train_losses"]):
         assert abs(a - b) <= TOL * max(1.0, abs(a))
-    for (va, vb) in zip(eager["val_history"], compiled["val_history"]):
+    for va, vb in zip(eager["val_history"], compiled["val_history"]):
         assert va == pytest.approx(vb, rel=TOL)
     for name, w in eager["weights"].items():
         assert _close(w, compiled["weights"][name]), name
@@ -181,11 +225,14 @@ def test_train_compile_curve_equals_eager(tmp_path, monkeypatch, zero_stage):
 
 # --- expert parallelism: the one host read, isolated -------------------------------------------
 
+
 def _ep_rank(rank, world):
     import torch.distributed as dist
 
     group = dist.new_group(list(range(world)))
-    cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, moe=MOE["dropless"])
+    cfg = TransformerConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, moe=MOE["dropless"]
+    )
 
     def build():  # the same weights twice (a process group does not deepcopy)
         torch.manual_seed(0)
@@ -213,7 +260,9 @@ def test_expert_parallel_count_exchange_is_the_one_break():
         # every break of an expert-parallel block is the one isolated host read; dynamo counts it once
         # in each frame it cuts (Block.forward, MoELayer.forward, the dispatcher's call)
         graphs, count = breaks
-        assert reasons and all("AllToAllDispatcher._exchange" in r for r in reasons), "\n".join(r[:300] for r in reasons)
+        assert reasons and all("AllToAllDispatcher._exchange" in r for r in reasons), "\n".join(
+            r[:300] for r in reasons
+        )
         assert count <= 4 and graphs == count + 1, breaks
         assert _close(y_e, y_c)
         assert all(_close(a, b) for a, b in zip(g_e, g_c))

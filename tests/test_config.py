@@ -1,9 +1,11 @@
 """MoEConfig validates itself: a bad value fails with a ValueError naming it and the valid range."""
+
 from __future__ import annotations
 
 import pytest
 
 from moe import MoEConfig
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 BASE = dict(d_model=16, d_ff=32)

@@ -13,6 +13,7 @@ default for matmuls), so GPU and CPU differ only by summation order: ~1e-6 relat
 2e-5 relative / 2e-5 absolute hold for values of size ~1 after a few ops. bf16 results are compared
 with an fp64 run on the same inputs, within a few bf16 ulps (2^-8 relative each): 3e-2.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,10 @@ def _compiled_kernels(request):
     if request.node.originalname != "test_in_fresh_process" and _kernels_interpreted_here():
         if os.environ.get(_CHILD):
             pytest.fail("the Triton kernels are interpreted even in the fresh process")
-        pytest.skip("Triton kernels run interpreted in this process (tests/test_kernels.py imported them under "
-                    "TRITON_INTERPRET=1); test_in_fresh_process runs this module with compiled kernels")
+        pytest.skip(
+            "Triton kernels run interpreted in this process (tests/test_kernels.py imported them under "
+            "TRITON_INTERPRET=1); test_in_fresh_process runs this module with compiled kernels"
+        )
     yield
 
 
@@ -64,8 +67,13 @@ def test_in_fresh_process():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env[_CHILD] = "1"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                            capture_output=True, text=True, cwd=root, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     # every test ran there (this one skips, finding compiled kernels)
     summary = result.stdout.strip().splitlines()[-1]
@@ -97,6 +105,7 @@ def test_triton_kernels_are_compiled():
     kernels = _compiled_kernels_of(triton_ops._permute_kernel)
     assert kernels, "the launch left no compiled kernel"
     assert all("cubin" in k.asm or "hsaco" in k.asm for k in kernels), [sorted(k.asm) for k in kernels]
+
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 BF16 = dict(rtol=3e-2, atol=3e-2)
@@ -160,11 +169,21 @@ def _run(layer, x, grad):
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
-@pytest.mark.parametrize("kw", [
-    dict(num_experts=8, top_k=2),
-    dict(num_experts=16, top_k=3, activation="gelu", capacity_factor=1.0),
-    dict(num_experts=8, top_k=2, num_shared_experts=1, score_func="sigmoid", capacity_factor=0.5, drop_policy="position"),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_experts=8, top_k=2),
+        dict(num_experts=16, top_k=3, activation="gelu", capacity_factor=1.0),
+        dict(
+            num_experts=8,
+            top_k=2,
+            num_shared_experts=1,
+            score_func="sigmoid",
+            capacity_factor=0.5,
+            drop_policy="position",
+        ),
+    ],
+)
 def test_moe_layer_on_gpu_matches_cpu(kw):
     # the GPU runs routing_metadata/permute/unpermute_combine (Triton) around the expert loop (fp32);
     # the CPU runs its one-pass block loop: two different paths to the same numbers
@@ -258,8 +277,15 @@ def _tiny_transformer(seed=0):
     from moe.model import Transformer, TransformerConfig
 
     torch.manual_seed(seed)
-    cfg = TransformerConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=32,
-                            moe=MoEConfig(d_model=64, d_ff=96, num_experts=4, top_k=2))
+    cfg = TransformerConfig(
+        vocab_size=97,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=128,
+        max_seq_len=32,
+        moe=MoEConfig(d_model=64, d_ff=96, num_experts=4, top_k=2),
+    )
     return Transformer(cfg)
 
 
@@ -294,14 +320,21 @@ def test_transformer_training_on_gpu_matches_cpu():
 # the engine's optimizer over its shard tensors, and the same optimizer on the unsharded model
 _GPU_OPTIMIZERS = {
     "default": (None, lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)),  # FusedAdamW: Triton
-    "torch_fused_adamw": (lambda g: torch.optim.AdamW(g, lr=3e-3, weight_decay=0.0, fused=True),
-                          lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, fused=True)),
-    "sgd_momentum": (lambda g: torch.optim.SGD(g, lr=3e-2, momentum=0.9), lambda params: torch.optim.SGD(params, lr=3e-2, momentum=0.9)),
+    "torch_fused_adamw": (
+        lambda g: torch.optim.AdamW(g, lr=3e-3, weight_decay=0.0, fused=True),
+        lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, fused=True),
+    ),
+    "sgd_momentum": (
+        lambda g: torch.optim.SGD(g, lr=3e-2, momentum=0.9),
+        lambda params: torch.optim.SGD(params, lr=3e-2, momentum=0.9),
+    ),
 }
 
 
 @pytest.mark.parametrize("opt", list(_GPU_OPTIMIZERS))
-@pytest.mark.parametrize("stage,offload,mp", [(0, False, "fp32"), (3, False, "fp32"), (2, True, "fp32"), (3, False, "bf16")])
+@pytest.mark.parametrize(
+    "stage,offload,mp", [(0, False, "fp32"), (3, False, "fp32"), (2, True, "fp32"), (3, False, "bf16")]
+)
 def test_zero_engine_on_gpu_matches_the_same_optimizer(stage, offload, mp, opt):
     # one process: no collective runs, but every buffer, gather/free, offload copy and the update
     # run on CUDA tensors; the multi-rank paths are the gloo tests' (tests/test_zero.py)
@@ -335,7 +368,8 @@ def test_zero_engine_on_gpu_matches_the_same_optimizer(stage, offload, mp, opt):
 
 _SYNC_FREE = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-    reason="the sync-free expert path is torch._grouped_mm in bf16, the default (and measured) on sm_90")
+    reason="the sync-free expert path is torch._grouped_mm in bf16, the default (and measured) on sm_90",
+)
 
 
 def _bf16_layer(**kw):
@@ -368,8 +402,15 @@ def _graph_model():
     from moe.model import Transformer, TransformerConfig
 
     torch.manual_seed(0)
-    cfg = TransformerConfig(vocab_size=128, d_model=128, n_layers=2, n_heads=4, d_ff=256, max_seq_len=64,
-                            moe=MoEConfig(d_model=128, d_ff=256, num_experts=8, top_k=2, capacity_factor=1.25))
+    cfg = TransformerConfig(
+        vocab_size=128,
+        d_model=128,
+        n_layers=2,
+        n_heads=4,
+        d_ff=256,
+        max_seq_len=64,
+        moe=MoEConfig(d_model=128, d_ff=256, num_experts=8, top_k=2, capacity_factor=1.25),
+    )
     return Transformer(cfg).cuda().bfloat16()
 
 

@@ -1,4 +1,5 @@
 """Data: deterministic disjoint by-file split, dp shards that rebuild the global batch, clear errors."""
+
 import math
 
 import numpy as np
@@ -59,7 +60,9 @@ def test_stdlib_corpus():
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_dp_shards_rebuild_the_global_batch(dp):
-    data = LMData(np.arange(10_000, dtype=np.uint16) % 251, np.arange(500, dtype=np.uint16) % 251, 256, "synthetic", seed=3)
+    data = LMData(
+        np.arange(10_000, dtype=np.uint16) % 251, np.arange(500, dtype=np.uint16) % 251, 256, "synthetic", seed=3
+    )
     for step in (0, 7):
         x, y = data.get_batch("train", step, 12, 9)
         parts = [data.get_batch("train", step, 12, 9, r, dp) for r in range(dp)]

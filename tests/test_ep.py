@@ -5,6 +5,7 @@ in a different order (all-reduce, per-rank matmul blocking), so results agree to
 and to ~1e-5 after 20 Adam steps, whose normalisation amplifies last-bit differences of tiny
 gradients.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,7 +46,12 @@ def reference_layer(c: MoEConfig, T: int, skew=None):
     y = layer(x)
     loss = (y * torch.linspace(-1, 1, c.d_model)).sum(-1).square().mean()
     loss.backward()
-    return {"y": y.detach(), "dx": x.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}, "stats": layer.stats.as_dict()}
+    return {
+        "y": y.detach(),
+        "dx": x.grad,
+        "grads": {n: p.grad for n, p in layer.named_parameters()},
+        "stats": layer.stats.as_dict(),
+    }
 
 
 def check_layer(results, ref, num_local):
@@ -129,7 +135,9 @@ def test_ep4_and_ep2_in_dp4_layer_and_training():
     check_layer([results[r][1] for r in range(4)], reference_layer(cfg(capacity_factor=1.0), 24), 2)
     check_layer([results[r][2] for r in range(4)], reference_layer(c, 24), 4)
     check_training([results[r][3] for r in range(4)], train_cfg, steps=20, global_bs=16, max_norm=0.5)
-    check_layer([results[r][4] for r in range(4)], reference_layer(cfg(capacity_factor=1.0, drop_policy="position"), 24), 4)
+    check_layer(
+        [results[r][4] for r in range(4)], reference_layer(cfg(capacity_factor=1.0, drop_policy="position"), 24), 4
+    )
     assert results[0][4]["stats"]["dropped_fraction"] > 0  # the capacity case really dropped
     check_same_init([results[r][5] for r in range(4)], train_cfg)
 
@@ -189,7 +197,9 @@ def test_dead_rank_ends_collective_with_error(how, group_kind):
     # not ended rank 0's wait, its own timeout (120 s, far above what is asserted) would have
     # raised TimeoutError instead. "ep": a group Layout.build made (torch's default for a new group
     # would be 30 minutes)
-    out = run_distributed(dead_rank_fn, 2, how, DEAD_RANK_TIMEOUT_S, group_kind, init=False, allow_exit=True, timeout=120)
+    out = run_distributed(
+        dead_rank_fn, 2, how, DEAD_RANK_TIMEOUT_S, group_kind, init=False, allow_exit=True, timeout=120
+    )
     survivor = out[0]
     assert survivor["error"] is not None, f"rank 0's collective returned although rank 1 {how}"
     if how == "dies":

@@ -5,6 +5,7 @@ Rows mode is what expert parallelism runs between its exchanges; tokens mode is 
 The CPU backend runs here in two lanes with 3-row blocks, so every expert's rows span several
 blocks taken by either lane, and weight gradients accumulate across blocks.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -92,14 +93,20 @@ def _tokens_reference(x, ids, w, w1, w3, w2):
             if e < 0:
                 continue
             h = x[t].double() @ w1[e].double()
-            act = torch.nn.functional.silu(h) * (x[t].double() @ w3[e].double()) if w3 is not None else torch.nn.functional.gelu(h)
+            act = (
+                torch.nn.functional.silu(h) * (x[t].double() @ w3[e].double())
+                if w3 is not None
+                else torch.nn.functional.gelu(h)
+            )
             acc = acc + w[t, k].double() * (act @ w2[e].double())
         rows.append(acc)
     return torch.stack(rows)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("T,K,X,drop,swiglu", [(23, 2, 5, 0.0, True), (17, 3, 4, 0.3, False), (3, 2, 8, 0.0, True), (9, 1, 3, 1.0, True)])
+@pytest.mark.parametrize(
+    "T,K,X,drop,swiglu", [(23, 2, 5, 0.0, True), (17, 3, 4, 0.3, False), (3, 2, 8, 0.0, True), (9, 1, 3, 1.0, True)]
+)
 def test_tokens_mode_matches_token_by_token(backend, T, K, X, drop, swiglu, small_blocks_in_lanes):
     D, F = 12, 8
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
@@ -127,7 +134,9 @@ def test_dispatch_picks_and_refuses():
         assert rk.expert_backend(odd, w1, w3, w2) == "loop"
         # rows of 3 fp32 values: a 12-byte stride
         assert rk.expert_backend(x, *_weights(2, 4, 3, True)) == "loop"
-        assert rk.expert_backend(x, *_weights(2, 4, 4, True)) == ("grouped_mm" if hasattr(torch, "_grouped_mm") else "loop")
+        assert rk.expert_backend(x, *_weights(2, 4, 4, True)) == (
+            "grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"
+        )
     with pytest.raises(ValueError, match="3 segment counts for 2 experts"):
         rk.expert_ffn(x, [2, 2, 2], w1, w3, w2)
     with pytest.raises(ValueError, match="dest_TK and weights_TK go together"):

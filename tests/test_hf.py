@@ -5,6 +5,7 @@ weight's gradient, an SGD step and eval, all within 1e-5 relative in fp32.
 
 Relative means ``||a - b|| / ||b||`` per tensor (an elementwise ratio is meaningless where a
 gradient element is ~0)."""
+
 from __future__ import annotations
 
 import copy
@@ -16,51 +17,112 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import moe.hf as hf  # noqa: E402
-from moe.hf_mixtral import ours_to_fused  # noqa: E402
 from moe import MoELayer  # noqa: E402
+from moe.hf_mixtral import ours_to_fused  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 RTOL = 1e-5
 VOCAB, B, L = 97, 2, 12
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, hidden_act="silu", attention_dropout=0.0)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    hidden_act="silu",
+    attention_dropout=0.0,
+)
 
 
 def _mixtral(**kw):
-    cfg = transformers.MixtralConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
-                                     output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    cfg = transformers.MixtralConfig(
+        **COMMON,
+        intermediate_size=24,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        **kw,
+    )
     return transformers.MixtralForCausalLM, cfg
 
 
 def _qwen2(norm_topk_prob=False, **kw):
-    cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, decoder_sparse_step=1,
-                                      mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    cfg = transformers.Qwen2MoeConfig(
+        **COMMON,
+        intermediate_size=40,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        **kw,
+    )
     return transformers.Qwen2MoeForCausalLM, cfg
 
 
 def _qwen3(norm_topk_prob, **kw):
-    cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
-                                      norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], head_dim=8,
-                                      output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    cfg = transformers.Qwen3MoeConfig(
+        **COMMON,
+        intermediate_size=40,
+        moe_intermediate_size=24,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        head_dim=8,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        **kw,
+    )
     return transformers.Qwen3MoeForCausalLM, cfg
 
 
 def _olmoe(**kw):
-    cfg = transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-                                   output_router_logits=True, router_aux_loss_coef=0.1, **kw)
+    cfg = transformers.OlmoeConfig(
+        **COMMON,
+        intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        **kw,
+    )
     return transformers.OlmoeForCausalLM, cfg
 
 
 def _deepseek_v3(**kw):
     # first_k_dense_replace=1: layer 0 keeps its dense MLP, layer 1 is MoE (only MoE blocks change)
     common = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
-    cfg = transformers.DeepseekV3Config(**common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16,
-                                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2,
-                                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                        q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                                        output_router_logits=True, **kw)
+    cfg = transformers.DeepseekV3Config(
+        **common,
+        num_key_value_heads=4,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        output_router_logits=True,
+        **kw,
+    )
     return transformers.DeepseekV3ForCausalLM, cfg
 
 
@@ -310,15 +372,21 @@ def test_a_patched_model_loads_a_state_dict_in_the_stock_layout(arch, tmp_path):
     _assert_same_state(again.state_dict(), want, "patched names")
 
     p = hf._patched_layers(fresh)[-1][0] + "."
-    with pytest.raises(ValueError, match=rf"holds {p}.* \(transformers' layout\) and {p}experts\.w1 \(the patched layer's\)"):
+    with pytest.raises(
+        ValueError, match=rf"holds {p}.* \(transformers' layout\) and {p}experts\.w1 \(the patched layer's\)"
+    ):
         fresh.load_state_dict(stock_sd | {p + "experts.w1": want[p + "experts.w1"]})
     with pytest.raises(ValueError, match=rf"holds {p}experts\.gate_up_proj without {p}experts\.down_proj"):
         fresh.load_state_dict({k: v for k, v in stock_sd.items() if k != p + "experts.down_proj"})
-    with pytest.raises(ValueError, match=rf"{p}experts\.down_proj has shape \(1, \d+, \d+\): expected \(\d+, \d+, \d+\)"):
+    with pytest.raises(
+        ValueError, match=rf"{p}experts\.down_proj has shape \(1, \d+, \d+\): expected \(\d+, \d+, \d+\)"
+    ):
         fresh.load_state_dict(stock_sd | {p + "experts.down_proj": stock_sd[p + "experts.down_proj"][:1]})
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # the Hub renames Mixtral's block; groups, bias, shared experts
+@pytest.mark.parametrize(
+    "arch", ["mixtral", "deepseek_v3"]
+)  # the Hub renames Mixtral's block; groups, bias, shared experts
 def test_transformers_trainer_resumes_a_patched_model_from_its_checkpoint(arch, tmp_path):
     """transformers' Trainer checkpoints a patched model (checkpoint-N/ in the Hub layout) and
     resumes it, the checkpoint's weights loaded first as the README says (the Trainer's own reload
@@ -335,10 +403,21 @@ def test_transformers_trainer_resumes_a_patched_model_from_its_checkpoint(arch, 
         model = hf.patch(_build(arch))
         if resume is not None:
             model.load_state_dict(type(model).from_pretrained(resume, dtype=torch.float32).state_dict())
-        args = transformers.TrainingArguments(output_dir=str(tmp_path / out), per_device_train_batch_size=4, max_steps=4,
-                                              learning_rate=0.05, optim="sgd", use_cpu=True, report_to=[],
-                                              save_strategy="steps", save_steps=2, logging_steps=1,
-                                              dataloader_num_workers=0, seed=0, disable_tqdm=True)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out),
+            per_device_train_batch_size=4,
+            max_steps=4,
+            learning_rate=0.05,
+            optim="sgd",
+            use_cpu=True,
+            report_to=[],
+            save_strategy="steps",
+            save_steps=2,
+            logging_steps=1,
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
+        )
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
         trainer.train(resume_from_checkpoint=resume)
         return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}, model.state_dict()
@@ -364,9 +443,20 @@ def test_transformers_trainer_trains_a_patched_model_like_the_stock_one_and_save
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (8, L))
     data = [{"input_ids": row, "labels": row} for row in ids]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=3,
-                                          learning_rate=0.05, optim="sgd", use_cpu=True, report_to=[], save_strategy="no",
-                                          logging_steps=1, dataloader_num_workers=0, seed=0, disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=0.05,
+        optim="sgd",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
     losses = {}
     for name, model in (("stock", stock), ("patched", patched)):
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
@@ -430,8 +520,11 @@ def test_a_bf16_model_patched_is_as_accurate_as_the_stock_bf16_model(arch):
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (B, L))
     runs = {}
-    for name, model in (("fp32", fp32), ("stock", copy.deepcopy(fp32).to(torch.bfloat16)),
-                        ("patched", hf.patch(copy.deepcopy(fp32).to(torch.bfloat16)))):
+    for name, model in (
+        ("fp32", fp32),
+        ("stock", copy.deepcopy(fp32).to(torch.bfloat16)),
+        ("patched", hf.patch(copy.deepcopy(fp32).to(torch.bfloat16))),
+    ):
         out = model(ids, labels=ids)
         out.loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -450,7 +543,11 @@ def test_a_bf16_model_patched_is_as_accurate_as_the_stock_bf16_model(arch):
             continue
         # measured: 0.5-1.6% in both models (the patched routers, in fp32, 0.7-0.8% where the stock
         # ones are 2-5%); a floor of 2% for the smallest tensors; an expert output 5% off fails here
-        assert _rel(patched_g[n], ref_g[n]) <= max(1.5 * _rel(stock_g[n], ref_g[n]), 0.02), (n, _rel(patched_g[n], ref_g[n]), _rel(stock_g[n], ref_g[n]))
+        assert _rel(patched_g[n], ref_g[n]) <= max(1.5 * _rel(stock_g[n], ref_g[n]), 0.02), (
+            n,
+            _rel(patched_g[n], ref_g[n]),
+            _rel(stock_g[n], ref_g[n]),
+        )
 
 
 def test_qwen2_shared_expert_gate_is_the_stock_parameter():
@@ -505,8 +602,11 @@ def test_refusals_name_the_field(monkeypatch):
     stock.config.router_jitter_noise = 0.1
     with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
         hf.patch(stock)
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                                                   num_hidden_layers=1, num_attention_heads=4))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        )
+    )
     with pytest.raises(ValueError, match="model_type='llama'"):
         hf.patch(llama)
     patched = hf.patch(_build("mixtral"))
@@ -533,10 +633,12 @@ def test_core_packages_import_without_transformers():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    code = ("import sys\nsys.modules['transformers'] = None\nsys.modules['safetensors'] = None\n"
-            "import moe, moe.model, zero, routing_kernels\n"
-            "import moe.hf\n"  # the module itself imports; only patching a model needs transformers
-            "assert 'transformers' not in sys.modules or sys.modules['transformers'] is None\n")
+    code = (
+        "import sys\nsys.modules['transformers'] = None\nsys.modules['safetensors'] = None\n"
+        "import moe, moe.model, zero, routing_kernels\n"
+        "import moe.hf\n"  # the module itself imports; only patching a model needs transformers
+        "assert 'transformers' not in sys.modules or sys.modules['transformers'] is None\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -583,10 +685,13 @@ def _ep_rank(rank, world, archs):
         ids = torch.randint(0, VOCAB, (world, L))[rank : rank + 1]
         res = model(ids, labels=ids)
         res.loss.backward()
-        out[arch] = dict(logits=res.logits.detach(), loss=res.loss.detach(),
-                         router_logits=[r.detach() for r in getattr(res, "router_logits", ())],
-                         grads={n: p.grad for n, p in model.named_parameters()},
-                         shapes={n: tuple(p.shape) for n, p in model.named_parameters()})
+        out[arch] = dict(
+            logits=res.logits.detach(),
+            loss=res.loss.detach(),
+            router_logits=[r.detach() for r in getattr(res, "router_logits", ())],
+            grads={n: p.grad for n, p in model.named_parameters()},
+            shapes={n: tuple(p.shape) for n, p in model.named_parameters()},
+        )
     return out
 
 
@@ -601,15 +706,23 @@ def _ep_unpatch_rank(rank, world, archs, tmp):
         # refused before anything is written or exchanged: rank 1 never calls these, so a gather
         # on rank 0 would wait for it (or pair with its next gather and corrupt the results below)
         if rank == 0:
-            with pytest.raises(ValueError, match=r"expert parallelism \(ep=2\).*moe\.hf\.save_pretrained\(model, save_directory\) on every rank"):
+            with pytest.raises(
+                ValueError,
+                match=r"expert parallelism \(ep=2\).*moe\.hf\.save_pretrained\(model, save_directory\) on every rank",
+            ):
                 model.save_pretrained(os.path.join(tmp, arch, "refused"))
             assert not os.path.exists(os.path.join(tmp, arch, "refused"))
             last = hf._patched_layers(model)[-1][0]
             sd = model.state_dict()
-            with pytest.raises(ValueError, match=rf"has no '{last}\.router\.weight'"):  # the last layer's: checked before the first gather
+            with pytest.raises(
+                ValueError, match=rf"has no '{last}\.router\.weight'"
+            ):  # the last layer's: checked before the first gather
                 hf.stock_state_dict(model, {k: v for k, v in sd.items() if k != f"{last}.router.weight"})
             bad = sd | {f"{last}.experts.w2": sd[f"{last}.experts.w2"][:1]}
-            with pytest.raises(ValueError, match=rf"{last}\.experts\.w2 has shape \(1, \d+, \d+\): expected \(\d+, \d+, \d+\) \(every expert\)"):
+            with pytest.raises(
+                ValueError,
+                match=rf"{last}\.experts\.w2 has shape \(1, \d+, \d+\): expected \(\d+, \d+, \d+\) \(every expert\)",
+            ):
                 hf.save_pretrained(model, os.path.join(tmp, arch, "refused"), state_dict=bad)
             assert not os.path.exists(os.path.join(tmp, arch, "refused"))
         other = hf.patch(_build(arch), ep_group=dist.group.WORLD, dp_group=dist.group.WORLD)

@@ -6,6 +6,7 @@ operations in the same order except the MoE combine, where ours sums a token's k
 outputs in one batched matmul (``routing_kernels.reference._combine_rows``) and transformers
 multiplies each and adds it with ``index_add_``; that rounds differently, ~1e-7 relative (measured
 1.6e-7 here). Weights are compared bit for bit: moving them is copies and transposes only."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,18 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moe import MoEConfig  # noqa: E402
 from moe.hf_mixtral import (  # noqa: E402
-    TABLE, ZERO_IN_MIXTRAL, _Files, _read, export_mixtral, import_mixtral, import_mixtral_state_dict, to_mixtral_state_dict)
+    TABLE,
+    ZERO_IN_MIXTRAL,
+    _Files,
+    _read,
+    export_mixtral,
+    import_mixtral,
+    import_mixtral_state_dict,
+    to_mixtral_state_dict,
+)
 from moe.model import Transformer, TransformerConfig  # noqa: E402
-from zero import checkpoint as zc  # noqa: E402
 from tests.test_train import SHORT, assemble_weights, cfg_of, check_same_training, metrics_rows, stdlib  # noqa: E402,F401 (stdlib: a fixture)
+from zero import checkpoint as zc  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
@@ -33,7 +42,9 @@ V, D, H, F, E, K, NL, L = 61, 32, 4, 24, 4, 2, 2, 24  # an odd vocabulary and se
 
 def _cfg(moe: dict | None = None, **kw) -> TransformerConfig:
     moe = MoEConfig(**{"d_model": D, "d_ff": F, "num_experts": E, "top_k": K, **(moe or {})})
-    return TransformerConfig(**{"vocab_size": V, "d_model": D, "n_layers": NL, "n_heads": H, "d_ff": F, "max_seq_len": L, "moe": moe, **kw})
+    return TransformerConfig(
+        **{"vocab_size": V, "d_model": D, "n_layers": NL, "n_heads": H, "d_ff": F, "max_seq_len": L, "moe": moe, **kw}
+    )
 
 
 def _ours(seed=0, **kw) -> Transformer:
@@ -48,9 +59,19 @@ def _ours(seed=0, **kw) -> Transformer:
 
 
 def _hf(seed=0, **kw):
-    cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=NL, num_attention_heads=H,
-                                     num_key_value_heads=H, max_position_embeddings=L, num_local_experts=E, num_experts_per_tok=K,
-                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw)
+    cfg = transformers.MixtralConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=NL,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        max_position_embeddings=L,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **kw,
+    )
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -93,6 +114,7 @@ def _from_pretrained(path):
 def test_the_table_names_every_tensor_of_both_models():
     ours, hf = _ours(), _hf()
     cfg = ours.cfg
+
     def names(templates):
         return {t.format(i=i) for t in templates for i in range(NL)}
 
@@ -138,7 +160,9 @@ def test_import_matches_transformers_in_both_file_layouts(tmp_path):
     # transformers 5's own module layout (fused experts), as a raw state_dict() file
     (tmp_path / "fused").mkdir()
     hf.config.save_pretrained(tmp_path / "fused")
-    safetensors_torch.save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors"))
+    safetensors_torch.save_file(
+        {k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors")
+    )
     _equal_states(import_mixtral(tmp_path / "fused").state_dict(), ours.state_dict())
     # what each of 2 expert-parallel ranks reads: its experts' slice, the same from either layout
     for lo, hi in ((0, E // 2), (E // 2, E)):
@@ -152,7 +176,9 @@ def test_import_matches_transformers_in_both_file_layouts(tmp_path):
 
 def test_export_bf16_and_from_a_consolidated_file(tmp_path):
     ours = _ours()
-    safetensors_torch.save_file(ours.state_dict(), str(tmp_path / "ours.safetensors"))  # our names, e.g. a consolidated checkpoint
+    safetensors_torch.save_file(
+        ours.state_dict(), str(tmp_path / "ours.safetensors")
+    )  # our names, e.g. a consolidated checkpoint
     out = export_mixtral(tmp_path / "ours.safetensors", tmp_path / "mx", ours.cfg, dtype=torch.bfloat16)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     back = import_mixtral(out)
@@ -165,14 +191,17 @@ def test_export_bf16_and_from_a_consolidated_file(tmp_path):
     _equal_states(import_mixtral(tmp_path / "tied").state_dict(), tied.state_dict())
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(moe_every=2), r"model\.moe_every=2"),
-    (dict(moe=dict(capacity_factor=1.25)), r"moe\.capacity_factor=1\.25"),
-    (dict(moe=dict(expert_bias=True)), r"moe\.expert_bias=True"),
-    (dict(moe=dict(num_shared_experts=1)), r"moe\.num_shared_experts=1"),
-    (dict(moe=dict(score_func="sigmoid")), r"moe\.score_func='sigmoid'"),
-    (dict(moe=dict(normalize_topk=False)), r"moe\.normalize_topk=False"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(moe_every=2), r"model\.moe_every=2"),
+        (dict(moe=dict(capacity_factor=1.25)), r"moe\.capacity_factor=1\.25"),
+        (dict(moe=dict(expert_bias=True)), r"moe\.expert_bias=True"),
+        (dict(moe=dict(num_shared_experts=1)), r"moe\.num_shared_experts=1"),
+        (dict(moe=dict(score_func="sigmoid")), r"moe\.score_func='sigmoid'"),
+        (dict(moe=dict(normalize_topk=False)), r"moe\.normalize_topk=False"),
+    ],
+)
 def test_export_refuses_what_mixtral_cannot_compute(tmp_path, kw, match):
     model = _ours(**kw)
     with pytest.raises(ValueError, match=match):
@@ -191,13 +220,19 @@ def test_export_refuses_a_slice_of_the_experts_and_wrong_shapes(tmp_path):
         import_mixtral_state_dict(_hf().state_dict(), _hf().config, score_func="sigmoid")
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(num_key_value_heads=2), r"num_key_value_heads=2"),
-    (dict(sliding_window=16), r"sliding_window=16"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
-    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), r"rope_parameters=.*linear"),
-    (dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_key_value_heads=2), r"num_key_value_heads=2"),
+        (dict(sliding_window=16), r"sliding_window=16"),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
+        (
+            dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+            r"rope_parameters=.*linear",
+        ),
+        (dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1"),
+    ],
+)
 def test_import_refuses_what_our_model_cannot_compute(tmp_path, kw, match):
     hf = _hf()
     for k, v in kw.items():
@@ -236,10 +271,26 @@ def test_import_into_a_model_checks_its_config(tmp_path):
 # model.init_from in the trainer
 
 # the trainer's tiny model with the mixtral moe group, on the 256-byte vocabulary
-TRAIN_MX = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-INIT_RUN = [*SHORT, "train.steps=2", "train.log_every=1", "train.eval_every=2", "moe.aux_loss_coef=0", "moe.z_loss_coef=0"]
+TRAIN_MX = dict(
+    vocab_size=256,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+INIT_RUN = [
+    *SHORT,
+    "train.steps=2",
+    "train.log_every=1",
+    "train.eval_every=2",
+    "moe.aux_loss_coef=0",
+    "moe.z_loss_coef=0",
+]
 
 
 def _init_from_rank(rank, world, runs, run_dirs):
@@ -269,7 +320,9 @@ def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
         runs = [r[i] for r in per_rank]
         assert [s["layout"]["ep"] for s in runs] == [2, 2]
         got = dict(runs[0], weights=assemble_weights(runs, single["weights"]))
-        check_same_training(got, metrics_rows(dirs[i]), single, metrics_rows(tmp_path / "one"), f"init_from under {extra}")
+        check_same_training(
+            got, metrics_rows(dirs[i]), single, metrics_rows(tmp_path / "one"), f"init_from under {extra}"
+        )
 
     # both started from the checkpoint's function: the first loss is transformers' loss on that batch
     x, y = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)
@@ -326,8 +379,20 @@ def test_export_hf_turns_a_training_checkpoint_into_a_mixtral_directory(tmp_path
         _close(ours(ids), hf(ids).logits, "export-hf checkpoint in transformers")
 
     # one checkpoint named directly; bf16, sharded; a directory that already holds weights is refused
-    assert ec.main(["export-hf", str(zc.step_dir(tmp_path / "run" / "checkpoints", 2)), str(tmp_path / "bf16"), "--dtype", "bf16",
-                    "--max-shard-bytes", "100000"]) == 0
+    assert (
+        ec.main(
+            [
+                "export-hf",
+                str(zc.step_dir(tmp_path / "run" / "checkpoints", 2)),
+                str(tmp_path / "bf16"),
+                "--dtype",
+                "bf16",
+                "--max-shard-bytes",
+                "100000",
+            ]
+        )
+        == 0
+    )
     assert len(json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())["weight_map"]) > 0
     assert len(list((tmp_path / "bf16").glob("model-*-of-*.safetensors"))) > 2
     back = import_mixtral(tmp_path / "bf16")
@@ -342,8 +407,11 @@ def test_export_hf_refuses_a_model_mixtral_cannot_compute(tmp_path, stdlib, caps
     from experiments.train import train
 
     # DeepSeek-style routing: sigmoid scores, groups, a shared expert, expert biases
-    train(cfg_of(*EXPORT_RUN, "moe=deepseek", "train.steps=1", "train.checkpoint.every=1", "train.eval_every=1"),
-          run_dir=tmp_path / "run", data=stdlib)
+    train(
+        cfg_of(*EXPORT_RUN, "moe=deepseek", "train.steps=1", "train.checkpoint.every=1", "train.eval_every=1"),
+        run_dir=tmp_path / "run",
+        data=stdlib,
+    )
     assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "mx")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: moe.score_func='sigmoid' cannot be a Mixtral model"), err

@@ -6,6 +6,7 @@ Sizes are tiny on purpose (the interpreter runs every program in numpy) but chos
 hit: T and D are not multiples of the block, several tiles per dimension (explicit small blocks),
 k = 1 and k > 1, empty experts, dropped assignments (-1), fp32 and bf16.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -189,7 +190,9 @@ def test_unpermute_combine_forward_backward(T, K, E, D, drop, only, blocks, dtyp
     y, w = y_SD.clone().requires_grad_(), w_TK.clone().requires_grad_()
     want_y, want_w = torch.autograd.grad(ref.unpermute_combine(y, dest_TK, w), (y, w), g_TD)
     # block_d below D makes the backward loop over several column tiles with a ragged last one
-    got_y, got_w = triton_ops._unpermute_combine_bwd_launch(g_TD, y_SD, dest_TK, w_TK, True, True, block_t=bt, block_d=bd)
+    got_y, got_w = triton_ops._unpermute_combine_bwd_launch(
+        g_TD, y_SD, dest_TK, w_TK, True, True, block_t=bt, block_d=bd
+    )
     torch.testing.assert_close(got_y, want_y, **TOL[dtype])
     torch.testing.assert_close(got_w, want_w, **TOL[dtype])
     assert torch.all(got_w[dest_TK < 0] == 0)
@@ -289,16 +292,32 @@ def test_fused_adamw_matches_reference_and_torch(N, grad_dtype, kw):
     bufs = {name: [p0.clone(), torch.zeros(N), torch.zeros(N)] for name in ("triton", "reference")}
     copy = torch.empty(N, dtype=torch.bfloat16)
     p_torch = torch.nn.Parameter(p0.clone())
-    opt = torch.optim.AdamW([p_torch], lr=kw["lr"], betas=(kw.get("beta1", 0.9), kw.get("beta2", 0.999)),
-                            eps=kw.get("eps", 1e-8), weight_decay=kw["weight_decay"], foreach=False)
+    opt = torch.optim.AdamW(
+        [p_torch],
+        lr=kw["lr"],
+        betas=(kw.get("beta1", 0.9), kw.get("beta2", 0.999)),
+        eps=kw.get("eps", 1e-8),
+        weight_decay=kw["weight_decay"],
+        foreach=False,
+    )
     for step in range(1, 6):
         grad = torch.randn(N).to(grad_dtype)
         p, m, v = bufs["triton"]
         # block 256 leaves a ragged last block for every N above
         triton_ops._fused_adamw_launch(
-            p, grad, m, v, step=step, lr=kw["lr"], beta1=kw.get("beta1", 0.9), beta2=kw.get("beta2", 0.999),
-            eps=kw.get("eps", 1e-8), weight_decay=kw["weight_decay"], grad_scale=kw.get("grad_scale", 1.0),
-            param_copy=copy, block=256,
+            p,
+            grad,
+            m,
+            v,
+            step=step,
+            lr=kw["lr"],
+            beta1=kw.get("beta1", 0.9),
+            beta2=kw.get("beta2", 0.999),
+            eps=kw.get("eps", 1e-8),
+            weight_decay=kw["weight_decay"],
+            grad_scale=kw.get("grad_scale", 1.0),
+            param_copy=copy,
+            block=256,
         )
         ref.fused_adamw(*bufs["reference"][:1], grad, *bufs["reference"][1:], step=step, **kw)
         p_torch.grad = grad.float() * kw.get("grad_scale", 1.0)
@@ -376,8 +395,12 @@ def test_imports_stay_light():
         "bad = [m for m in ('triton', 'hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors') if m in sys.modules]; "
         "assert not bad, bad"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -386,6 +409,11 @@ def test_in_fresh_process():
     # this module's tests, run where triton is first imported with the interpreter on
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                            capture_output=True, text=True, cwd=root, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -11,6 +11,7 @@ The draw comes from ``SWITCHYARD_KILL_SEED`` when set (an integer), else from a 
 the seed and what it drew are printed and are part of every assertion message, so a failure is
 reproduced with ``SWITCHYARD_KILL_SEED=<seed> pytest tests/test_kill_resume.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,9 @@ def kill_seed() -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"SWITCHYARD_KILL_SEED={raw!r} is invalid: expected an integer (or unset for a random one)") from None
+        raise ValueError(
+            f"SWITCHYARD_KILL_SEED={raw!r} is invalid: expected an integer (or unset for a random one)"
+        ) from None
 
 
 def newest_complete_before(step: int) -> int:
@@ -78,13 +81,24 @@ def describe(kills) -> str:
 
 def torchrun(run_dir: Path, env: dict, label: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     """torchrun in a session of its own: on a timeout the agent and its workers are all killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
-           "-m", "tests.ckpt_restart_worker", *RUN, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=2",
+        "-m",
+        "tests.ckpt_restart_worker",
+        *RUN,
+        f"hydra.run.dir={run_dir}",
+    ]
     # without its own rendezvous store per attempt a restarted group reads the old attempt's
     # addresses (README: Restarts); --standalone serves the rendezvous on a port the OS picks
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(ROOT), **env)
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -109,7 +123,7 @@ def runs(tmp_path_factory):
     what = f"[SWITCHYARD_KILL_SEED={seed}: {describe(kills)}]"
     print(what, flush=True)
     root = tmp_path_factory.mktemp("kill")
-    cfg = cc.train_cfg(*RUN[len(cc.TRAIN):])
+    cfg = cc.train_cfg(*RUN[len(cc.TRAIN) :])
     build_data(cfg.data, seed=cfg.seed)  # the data cache exists before the ranks start
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -120,7 +134,9 @@ def runs(tmp_path_factory):
     ref = torchrun(root / "ref", {}, f"{what} the uninterrupted run")
     assert ref.returncode == 0, f"{what} the uninterrupted run failed:\n{ref.stdout[-2000:]}\n{ref.stderr[-3000:]}"
     mark = root / "killed.txt"
-    killed = torchrun(root / "killed", {"SWITCHYARD_TEST_KILL": ",".join(specs), "SWITCHYARD_TEST_KILL_MARK": str(mark)}, what)
+    killed = torchrun(
+        root / "killed", {"SWITCHYARD_TEST_KILL": ",".join(specs), "SWITCHYARD_TEST_KILL_MARK": str(mark)}, what
+    )
     return dict(what=what, specs=specs, kills=kills, root=root, single=single, ref=ref, killed=killed, mark=mark)
 
 
@@ -155,8 +171,13 @@ def test_the_resumed_run_logs_the_uninterrupted_runs_rows(runs):
     assert summaries[0]["train_losses"] == summaries[1]["train_losses"], what
     assert summaries[0]["val_history"] == summaries[1]["val_history"], what
     # the same layout trains like one process, within rounding
-    torch.testing.assert_close(torch.tensor(summaries[0]["train_losses"]), torch.tensor(runs["single"]["train_losses"]),
-                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{what} against one process: {m}")
+    torch.testing.assert_close(
+        torch.tensor(summaries[0]["train_losses"]),
+        torch.tensor(runs["single"]["train_losses"]),
+        rtol=LOSS_RTOL,
+        atol=0,
+        msg=lambda m: f"{what} against one process: {m}",
+    )
 
 
 def test_the_final_checkpoint_is_the_uninterrupted_runs_bit_for_bit(runs):
@@ -175,8 +196,9 @@ def test_the_final_checkpoint_is_the_uninterrupted_runs_bit_for_bit(runs):
         a, b = (torch.empty(md.size, dtype=md.properties.dtype) for _ in range(2))
         zc.read_tensors(mine, {key: a})
         zc.read_tensors(ref, {key: b})
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), \
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
             f"{what} {key} differs from the uninterrupted run's"
+        )
 
 
 # ----- preemption handed over to the scheduler's own handler (submitit's requeue) ------------------
@@ -191,8 +213,13 @@ def test_sigusr1_hands_over_to_the_previous_python_handler_after_the_save(tmp_pa
 
     def stand_in(signum, frame):
         summary = tmp_path / "summary.json"
-        calls.append((signum, zc.verify(zc.step_dir(tmp_path / "checkpoints", 4)),
-                      json.loads(summary.read_text())["status"] if summary.is_file() else None))
+        calls.append(
+            (
+                signum,
+                zc.verify(zc.step_dir(tmp_path / "checkpoints", 4)),
+                json.loads(summary.read_text())["status"] if summary.is_file() else None,
+            )
+        )
 
     previous = signal.signal(signal.SIGUSR1, stand_in)
     undo = cc.signal_at(3, signal.SIGUSR1)  # while drawing step index 3's batch: step 4 runs, then the save
@@ -211,13 +238,27 @@ def _submitit_task(folder: Path, job_id: str) -> subprocess.CompletedProcess:
     """What a submitit job's task runs, in submitit's local environment: load the job pickle,
     install submitit's signal handlers, run it (``submitit.core.submission.process_job``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_JOB_ID=job_id,
-               SUBMITIT_LOCAL_NTASKS="1", SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_LOCAL_NODEID="0",
-               SUBMITIT_LOCAL_GLOBALID="0", SUBMITIT_LOCAL_LOCALID="0")
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        SUBMITIT_EXECUTOR="local",
+        SUBMITIT_LOCAL_JOB_ID=job_id,
+        SUBMITIT_LOCAL_NTASKS="1",
+        SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+        SUBMITIT_LOCAL_NODEID="0",
+        SUBMITIT_LOCAL_GLOBALID="0",
+        SUBMITIT_LOCAL_LOCALID="0",
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "submitit.core._submit", str(folder)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "submitit.core._submit", str(folder)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 def test_submitit_requeues_a_preempted_job_after_its_save_and_the_requeued_job_resumes(tmp_path):
@@ -268,7 +309,9 @@ def test_the_preemption_signals_in_and_out_of_a_submitit_job():
     assert preemption_signals({}) == (term, usr1)
     assert preemption_signals({"SUBMITIT_EXECUTOR": "slurm"}) == (term, usr1, usr2)  # submitit's default
     assert preemption_signals({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}) == (term, usr1)
-    with pytest.raises(ValueError, match=r"SUBMITIT_PREEMPT_SIGNAL='SIGUSR2' is not a signal: expected a name without SIG"):
+    with pytest.raises(
+        ValueError, match=r"SUBMITIT_PREEMPT_SIGNAL='SIGUSR2' is not a signal: expected a name without SIG"
+    ):
         preemption_signals({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_PREEMPT_SIGNAL": "SIGUSR2"})
 
 
@@ -279,10 +322,18 @@ def test_a_kill_right_after_a_resume_loses_no_metrics_row(tmp_path):
     steps 7 and 8). ``os._exit`` skips every Python-level flush, like a SIGKILL."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)) + '{"step": 9, "lo')
-    code = ("import os, sys; from experiments.tracking import MetricsFile; "
-            "m = MetricsFile(sys.argv[1], keep_until=6); os._exit(9)")
-    p = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       capture_output=True, text=True, timeout=120)
+    code = (
+        "import os, sys; from experiments.tracking import MetricsFile; "
+        "m = MetricsFile(sys.argv[1], keep_until=6); os._exit(9)"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 9, p.stderr
     assert [r["step"] for r in metric_rows(tmp_path)] == list(range(1, 7))
     # and the next resume appends after them (the row cut short by the kill was dropped)

@@ -2,6 +2,7 @@
 
 Shapes follow the project's legend (docs/design.md): B sequences, L tokens per sequence.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ Tolerance 5%: the measurement includes each flat buffer's padding to a multiple 
 (at most W - 1 elements per buffer), which the per-parameter prediction leaves out; the tiny test
 model makes that the largest relative error (~2%).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,11 +35,14 @@ def _memory_rank(rank, world, ep):
                 # the gathered bytes while the MoE block computes: it plus at most the prefetched one
                 def probe(module, args, output):
                     from zero.memory import measure_memory
+
                     peak["gathered"] = max(peak["gathered"], measure_memory(engine)["gathered"])
+
                 net.layers[1].ffn.register_forward_hook(probe)
             engine.backward(engine(x).square().mean())
             engine.step()
             from zero.memory import measure_memory
+
             measured = measure_memory(engine)
             predicted = predict_memory(counts, layout=layout, stage=stage, mixed_precision=mp, offload=offload)
             # the two largest blocks in compute dtype: what stage 3 may hold gathered at once
@@ -89,7 +93,9 @@ def test_expert_params_shard_over_edp():
     assert m["expert"]["params"] == pytest.approx(2e9 * 2 / 2)
     assert m["expert"]["optimizer"] == pytest.approx(2e9 * 12 / 2)
     off = predict_memory({"dense": 1e9, "expert": 8e9}, dp=8, ep=4, stage=3, offload=True)
-    assert off["expert"]["optimizer"] == 0 and off["host_total"] == pytest.approx(m["dense"]["optimizer"] + m["expert"]["optimizer"])
+    assert off["expert"]["optimizer"] == 0 and off["host_total"] == pytest.approx(
+        m["dense"]["optimizer"] + m["expert"]["optimizer"]
+    )
 
 
 def test_count_params_scales_experts_by_ep():

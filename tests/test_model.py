@@ -1,4 +1,5 @@
 """The reference transformer: causality, MoE placement, parameter accounting, checkpointing."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,9 @@ V, D, F, L = 61, 32, 48, 24  # odd vocabulary and sequence length on purpose
 
 def make(moe_every=1, n_layers=4, E=4, K=2, **kw):
     moe = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K) if moe_every else None
-    cfg = TransformerConfig(vocab_size=V, d_model=D, n_layers=n_layers, n_heads=4, d_ff=F, max_seq_len=L, moe_every=moe_every, moe=moe, **kw)
+    cfg = TransformerConfig(
+        vocab_size=V, d_model=D, n_layers=n_layers, n_heads=4, d_ff=F, max_seq_len=L, moe_every=moe_every, moe=moe, **kw
+    )
     torch.manual_seed(0)
     return Transformer(cfg)
 
@@ -42,7 +45,10 @@ def test_positions_matter():
     assert not torch.allclose(model(idx)[0, -1], model(swapped)[0, -1], atol=1e-4)
 
 
-@pytest.mark.parametrize("moe_every,expected", [(1, [True] * 4), (2, [False, True, False, True]), (3, [False, False, True, False]), (0, [False] * 4)])
+@pytest.mark.parametrize(
+    "moe_every,expected",
+    [(1, [True] * 4), (2, [False, True, False, True]), (3, [False, False, True, False]), (0, [False] * 4)],
+)
 def test_moe_placement(moe_every, expected):
     model = make(moe_every=moe_every)
     assert [isinstance(b.ffn, MoELayer) for b in model.blocks] == expected
@@ -96,13 +102,16 @@ def test_groups_come_from_layout():
         Transformer(make().cfg, layout=layout, dp_group=object())
 
 
-@pytest.mark.parametrize("kw,name", [
-    (dict(n_heads=5), "n_heads"),
-    (dict(n_heads=32), "n_heads"),  # head dim 1: odd, no rotary pairs
-    (dict(moe_every=1, moe=None), "moe"),
-    (dict(moe_every=9, moe=MoEConfig(d_model=D, d_ff=F)), "moe_every"),
-    (dict(d_model=0), "d_model"),
-])
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(n_heads=5), "n_heads"),
+        (dict(n_heads=32), "n_heads"),  # head dim 1: odd, no rotary pairs
+        (dict(moe_every=1, moe=None), "moe"),
+        (dict(moe_every=9, moe=MoEConfig(d_model=D, d_ff=F)), "moe_every"),
+        (dict(d_model=0), "d_model"),
+    ],
+)
 def test_config_errors_name_the_key(kw, name):
     base = dict(vocab_size=V, d_model=D, n_layers=4, n_heads=4, d_ff=F, max_seq_len=L, moe_every=0, moe=None)
     base.update(kw)

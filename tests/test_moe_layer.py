@@ -12,6 +12,7 @@ decision (which experts), recomputing the combine weights token by token from th
 so the router's gradient is checked through the whole layer. Routing decisions themselves are
 checked against the naive router in test_router.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -141,12 +142,18 @@ CASES = {
     "3d_input": ((2, 7, 16), dict(d_ff=24, num_experts=6, top_k=2)),
     "topk_then_softmax": ((19, 16), dict(d_ff=20, num_experts=6, top_k=3, softmax_before_topk=False)),
     "no_renorm_scaled": ((19, 16), dict(d_ff=20, num_experts=6, top_k=2, normalize_topk=False, route_scale=2.5)),
-    "sigmoid_groups": ((23, 16), dict(d_ff=20, num_experts=8, top_k=3, score_func="sigmoid", num_groups=4, topk_groups=2, route_scale=2.5)),
+    "sigmoid_groups": (
+        (23, 16),
+        dict(d_ff=20, num_experts=8, top_k=3, score_func="sigmoid", num_groups=4, topk_groups=2, route_scale=2.5),
+    ),
     "gelu_shared": ((17, 16), dict(d_ff=20, num_experts=4, top_k=2, activation="gelu", num_shared_experts=1)),
     "swiglu_shared2": ((17, 16), dict(d_ff=20, num_experts=4, top_k=2, num_shared_experts=2, shared_d_ff=28)),
     "expert_bias": ((29, 16), dict(d_ff=20, num_experts=6, top_k=2, expert_bias=True)),
     "capacity_probs": ((31, 16), dict(d_ff=20, num_experts=4, top_k=2, capacity_factor=0.5, drop_policy="probs")),
-    "capacity_position": ((31, 16), dict(d_ff=20, num_experts=4, top_k=2, capacity_factor=0.75, drop_policy="position")),
+    "capacity_position": (
+        (31, 16),
+        dict(d_ff=20, num_experts=4, top_k=2, capacity_factor=0.75, drop_policy="position"),
+    ),
     "expert_choice": ((21, 16), dict(d_ff=20, num_experts=5, top_k=2, router="expert_choice")),
 }
 
@@ -204,7 +211,9 @@ def lanes(monkeypatch):
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("name", ["odd", "k_eq_E", "3d_input", "gelu_shared", "capacity_probs", "expert_choice", "fewer_tokens_than_experts"])
+@pytest.mark.parametrize(
+    "name", ["odd", "k_eq_E", "3d_input", "gelu_shared", "capacity_probs", "expert_choice", "fewer_tokens_than_experts"]
+)
 def test_lanes_match_naive(name, lanes):
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
@@ -281,6 +290,7 @@ def test_lane_errors_surface_and_the_next_call_works(lanes, monkeypatch):
     real = cpu_experts._silu_out
     # in every lane; then in one lane only, while the other may be waiting for that lane's block
     for failing in ("moe-lane", "moe-lane_1"):
+
         def silu(*a, failing=failing, **k):
             if threading.current_thread().name.startswith(failing):
                 raise RuntimeError("lane failure")
@@ -308,7 +318,15 @@ def test_block_queue_order_turns_and_failure(monkeypatch):
     # unless another tail block is of the same expert (expert 3 above)
     assert cpu_experts._BlockQueue([5, 0, 2, 9], block=4, lanes=2).units == units
     assert cpu_experts._BlockQueue([8, 8, 8], block=4, lanes=2).units == [
-        (0, 0, 4, 0), (1, 8, 12, 0), (2, 16, 20, 0), (0, 4, 8, 1), (1, 12, 14, 1), (2, 20, 22, 1), (1, 14, 16, 2), (2, 22, 24, 2)]
+        (0, 0, 4, 0),
+        (1, 8, 12, 0),
+        (2, 16, 20, 0),
+        (0, 4, 8, 1),
+        (1, 12, 14, 1),
+        (2, 20, 22, 1),
+        (1, 14, 16, 2),
+        (2, 22, 24, 2),
+    ]
     q.wait_turn(3, 0)  # block 0 never waits
     monkeypatch.setattr(cpu_experts, "_LANE_WAIT_S", 0.05)
     with pytest.raises(TimeoutError, match="block 0 of expert 3"):
@@ -389,7 +407,9 @@ def test_grouped_mm_path_matches_naive(name, monkeypatch):
     assert ran, "the grouped_mm backend did not run"
 
 
-@pytest.mark.parametrize("name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position", "expert_choice"])
+@pytest.mark.parametrize(
+    "name", ["odd", "fewer_tokens_than_experts", "gelu_shared", "capacity_position", "expert_choice"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loop_backend_matches_naive(name, dtype):
     # on the CPU the layer fuses permute/experts/combine; the separate ops (routing_kernels permute
@@ -548,7 +568,9 @@ def explicit_aux(cfg, weight_ED, x_TD, counts_E, seq_len):
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_aux_loss_reaches_router_through_output(scale):
     B, S, D = 3, 11, 16
-    cfg = MoEConfig(d_model=D, d_ff=20, num_experts=6, top_k=2, aux_loss_coef=0.3, seq_aux_loss_coef=0.2, z_loss_coef=0.05)
+    cfg = MoEConfig(
+        d_model=D, d_ff=20, num_experts=6, top_k=2, aux_loss_coef=0.3, seq_aux_loss_coef=0.2, z_loss_coef=0.05
+    )
     layer = make(cfg)
     moe.scale_aux_losses(layer, scale)
     torch.manual_seed(6)
@@ -601,7 +623,9 @@ def load_imbalance(counts):
 
 def test_expert_bias_moves_load_toward_uniform():
     E = 8
-    cfg = MoEConfig(d_model=16, d_ff=8, num_experts=E, top_k=2, expert_bias=True, bias_update_rate=0.02, aux_loss_coef=0.0)
+    cfg = MoEConfig(
+        d_model=16, d_ff=8, num_experts=E, top_k=2, expert_bias=True, bias_update_rate=0.02, aux_loss_coef=0.0
+    )
     torch.manual_seed(8)
     layer = MoELayer(cfg)
     x = torch.randn(256, 16) + 0.5
@@ -652,7 +676,16 @@ def test_expert_bias_selects_but_does_not_weight():
 def test_activation_checkpointing_counts_once(reentrant, early_stop):
     # non-reentrant recompute normally stops after the last saved tensor, before the statistics;
     # early_stop=False makes it re-run the whole forward, statistics included
-    cfg = MoEConfig(d_model=16, d_ff=20, num_experts=5, top_k=2, aux_loss_coef=0.1, z_loss_coef=0.01, seq_aux_loss_coef=0.05, expert_bias=True)
+    cfg = MoEConfig(
+        d_model=16,
+        d_ff=20,
+        num_experts=5,
+        top_k=2,
+        aux_loss_coef=0.1,
+        z_loss_coef=0.01,
+        seq_aux_loss_coef=0.05,
+        expert_bias=True,
+    )
     layer = make(cfg)
     layer.train()
     torch.manual_seed(10)
@@ -709,7 +742,12 @@ def test_parameter_layout():
     cfg = MoEConfig(d_model=12, d_ff=20, num_experts=5, top_k=2)
     layer = MoELayer(cfg)
     shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
-    assert shapes == {"router.weight": (5, 12), "experts.w1": (5, 12, 20), "experts.w3": (5, 12, 20), "experts.w2": (5, 20, 12)}
+    assert shapes == {
+        "router.weight": (5, 12),
+        "experts.w1": (5, 12, 20),
+        "experts.w3": (5, 12, 20),
+        "experts.w2": (5, 20, 12),
+    }
     assert all(moe.is_expert_param(p) for n, p in layer.named_parameters() if n.startswith("experts."))
     assert not moe.is_expert_param(layer.router.weight)
     # the stable parameter layout: SwiGLU is (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e] on the expert's rows
@@ -774,7 +812,10 @@ def test_lanes_share_many_threads(lanes, monkeypatch):
     check_against_naive(layer, torch.randn(shape), torch.float32, "odd")
     assert lanes and all(n == 2 for n in lanes)
     assert cpu_experts._lane_pool[2] == 2
-    assert sorted(f.result() for f in [cpu_experts._lane_pool[3].submit(torch.get_num_threads) for _ in range(4)]) == [2] * 4
+    assert (
+        sorted(f.result() for f in [cpu_experts._lane_pool[3].submit(torch.get_num_threads) for _ in range(4)])
+        == [2] * 4
+    )
     assert torch.get_num_threads() == 4
     assert cpu_experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == 2
     monkeypatch.setattr(cpu_experts, "_MAX_LANES", 8)
@@ -786,8 +827,16 @@ def test_lanes_share_many_threads(lanes, monkeypatch):
 def test_shared_expert_gate_scales_the_shared_output():
     # out = routed + sigmoid(x @ w_gate) * shared(x); a gate needs a shared expert
     torch.manual_seed(0)
-    cfg = MoEConfig(d_model=8, d_ff=12, num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True,
-                    aux_loss_coef=0.0, z_loss_coef=0.0)
+    cfg = MoEConfig(
+        d_model=8,
+        d_ff=12,
+        num_experts=4,
+        top_k=2,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+    )
     layer = MoELayer(cfg)
     x = torch.randn(5, 8)
     routed = layer.dispatcher(x, *(lambda r: (r.expert_ids_TK, r.weights_TK))(layer.router(x)), layer.experts)

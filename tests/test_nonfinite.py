@@ -6,6 +6,7 @@ metrics.jsonl stays valid JSON.
 left out altogether (the engine: a loop that never runs step k; the trainer: a run whose k-th
 engine.step() is replaced by engine.zero_grad()).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,7 +24,7 @@ from experiments.train import train
 from moe import scale_aux_losses
 from tests.dist_utils import run_distributed
 from tests.test_train import LOSS_RTOL, SHORT, WEIGHT_ATOL, assemble_weights, cfg_of, metrics_rows, stdlib  # noqa: F401 (a fixture)
-from tests.test_zero import CLIP, LR, PARAM_ATOL, WD, B_PER_RANK, E, _compare, batches, run_reference, sharded_net
+from tests.test_zero import B_PER_RANK, CLIP, LR, PARAM_ATOL, WD, E, _compare, batches, run_reference, sharded_net
 from zero import Layout, ZeroEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -43,8 +44,15 @@ def _engine_run(layout: Layout, stage: int, inject: str | None = None, leave_out
     the first step's gradients."""
     net = sharded_net(layout)
     scale_aux_losses(net, 1.0 / ACCUM)
-    engine = ZeroEngine(net, layout, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                        param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0})
+    engine = ZeroEngine(
+        net,
+        layout,
+        stage=stage,
+        lr=LR,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0},
+    )
     x, y = batches(ACCUM, layout.dp)
     rows = slice(layout.dp_rank * B_PER_RANK, (layout.dp_rank + 1) * B_PER_RANK)
     losses, record = [], []
@@ -65,13 +73,23 @@ def _engine_run(layout: Layout, stage: int, inject: str | None = None, leave_out
             first_grads = engine.full_gradients()
         engine.step(extra_finite=torch.isfinite(loss_seen).reshape(1))
         gathered = any(f.is_gathered() for f in engine.flats if f.sharded_params)
-        record.append((s, engine.last_step_skipped, list(engine.last_nonfinite), math.isfinite(engine.last_grad_norm), gathered))
+        record.append(
+            (s, engine.last_step_skipped, list(engine.last_nonfinite), math.isfinite(engine.last_grad_norm), gathered)
+        )
         if not engine.last_step_skipped:
             torch.distributed.all_reduce(loss_seen, group=layout.dp_group)
             losses.append(loss_seen.item() / layout.dp)
     steps_taken = {int(st["step"]) for st in engine.optimizer.state.values()}
-    return dict(record=record, skipped=engine.skipped_steps, step_count=engine.step_count, opt_steps=steps_taken,
-                losses=losses, params=engine.full_parameters(), first_grads=first_grads, engine=engine)
+    return dict(
+        record=record,
+        skipped=engine.skipped_steps,
+        step_count=engine.step_count,
+        opt_steps=steps_taken,
+        losses=losses,
+        params=engine.full_parameters(),
+        first_grads=first_grads,
+        engine=engine,
+    )
 
 
 def _engine_rank(rank, world):
@@ -83,7 +101,10 @@ def _engine_rank(rank, world):
         for inject in ("loss", "grad"):
             got = _engine_run(layout, stage, inject)
             out[(stage, inject)] = dict(
-                record=got["record"], skipped=got["skipped"], step_count=got["step_count"], opt_steps=got["opt_steps"],
+                record=got["record"],
+                skipped=got["skipped"],
+                step_count=got["step_count"],
+                opt_steps=got["opt_steps"],
                 # the same ranks and arithmetic without step K: bit for bit
                 same_as_without=all(torch.equal(got["params"][n], w) for n, w in without["params"].items()),
                 same_losses=got["losses"] == without["losses"],
@@ -200,6 +221,7 @@ def step_left_out(k):
 
 def strict_rows(run_dir):
     """metrics.jsonl parsed as strict JSON: NaN or Infinity tokens fail."""
+
     def refuse(token):
         raise AssertionError(f"metrics.jsonl holds {token}, which is not JSON")
 
@@ -253,8 +275,12 @@ def test_trainer_skips_a_step_with_a_nan_loss_on_one_rank(dist_results, tmp_path
         got = assemble_weights(summaries, ref["weights"])
         for name, w in ref["weights"].items():
             torch.testing.assert_close(got[name], w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m: f"{extra} {name}: {m}")
-        np.testing.assert_allclose([rows[j]["loss"] for j in others], [ref_rows[j]["loss"] for j in others], rtol=LOSS_RTOL)
-        np.testing.assert_allclose([rows[j]["grad_norm"] for j in others], [ref_rows[j]["grad_norm"] for j in others], rtol=LOSS_RTOL)
+        np.testing.assert_allclose(
+            [rows[j]["loss"] for j in others], [ref_rows[j]["loss"] for j in others], rtol=LOSS_RTOL
+        )
+        np.testing.assert_allclose(
+            [rows[j]["grad_norm"] for j in others], [ref_rows[j]["grad_norm"] for j in others], rtol=LOSS_RTOL
+        )
 
     # repeated NaN losses on rank 1 stop both ranks at the second one, naming the loss
     for message in (r[-1] for r in per_rank):
@@ -269,8 +295,11 @@ def test_trainer_skips_a_step_with_a_nan_loss_on_one_rank(dist_results, tmp_path
 def test_diverging_run_stops_naming_the_gradient_norm(tmp_path, stdlib):
     # optim.lr=1e4 used to log NaN (invalid JSON) at every step and exit 0 with "final val loss nan"
     cfg = cfg_of(*SHORT, "optim.lr=1e4", "train.steps=30", "train.log_every=1", "train.max_bad_steps=3")
-    with pytest.raises(NonFiniteError, match=r"3 consecutive optimizer steps .* first non-finite quantity was the "
-                                             r"gradient norm \((inf|nan)\).*optim\.lr="):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"3 consecutive optimizer steps .* first non-finite quantity was the "
+        r"gradient norm \((inf|nan)\).*optim\.lr=",
+    ):
         train(cfg, run_dir=tmp_path / "run", data=stdlib)
     rows = strict_rows(tmp_path / "run")
     assert rows[-1]["skipped_steps"] == 3 and rows[-1]["loss"] is None
@@ -294,8 +323,11 @@ def test_a_layer_aux_loss_is_named(tmp_path, stdlib, monkeypatch):
 
     monkeypatch.setattr(train_mod, "build_model", poisoned)
     cfg = cfg_of(*BASE, "train.max_bad_steps=2")
-    with pytest.raises(NonFiniteError, match=r"at step 3 the first non-finite quantity was the aux_loss of MoE layer "
-                                             r"blocks\.1\.ffn \(non-finite on 1 of 1 ranks\)"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"at step 3 the first non-finite quantity was the aux_loss of MoE layer "
+        r"blocks\.1\.ffn \(non-finite on 1 of 1 ranks\)",
+    ):
         train(cfg, run_dir=tmp_path / "run", data=stdlib)
 
 

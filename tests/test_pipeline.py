@@ -14,6 +14,7 @@ rounding difference of a gradient entry near eps into up to lr x (that differenc
 the weight's size, so the bound is absolute, 1e-5 (observed 5e-6), 300x below one step's lr (3e-3):
 a wrong gradient shows as ~1e-3. The expert load is a count of tokens and must be identical.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ WEIGHT_ATOL = 1e-5
 
 def _tiny_model(n_layers=3, tie=False, seed=0):
     moe_cfg = moe.MoEConfig(d_model=16, d_ff=16, num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
-    cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=n_layers, n_heads=2, d_ff=32, max_seq_len=8,
-                            moe=moe_cfg, tie_embeddings=tie)
+    cfg = TransformerConfig(
+        vocab_size=32, d_model=16, n_layers=n_layers, n_heads=2, d_ff=32, max_seq_len=8, moe=moe_cfg, tie_embeddings=tie
+    )
     torch.manual_seed(seed)
     return Transformer(cfg)
 
@@ -108,19 +110,37 @@ def test_plan_cuts_layers_and_maps_stages_to_ranks():
     assert v.ranges == ((0, 1), (1, 4), (4, 7), (7, 8))
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(pp_schedule="pipedream"), r"pp_schedule='pipedream' is invalid: expected one of \['1f1b', 'dualpipev'"),
-    (dict(pp_virtual_stages=2), r"pp_schedule=1f1b runs one stage per rank, but pp_virtual_stages=2"),
-    (dict(pp_schedule="interleaved_1f1b"), r"pp_virtual_stages=1 must be >= 2"),
-    (dict(pp_schedule="zbv", pp_virtual_stages=3), r"V-shaped, exactly two stages per rank: pp_virtual_stages=3 must be 2"),
-    (dict(pp=8, pp_microbatches=8), r"5 pipeline layers \(the embedding, each block and the head\) cannot fill pp=8 x pp_virtual_stages=1 = 8 stages"),
-    (dict(pp_microbatches=1), r"pp_microbatches=1 is below what 1f1b needs: at least pp=2"),
-    (dict(pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=3), r"pp_microbatches=3 is below what dualpipev needs: at least 2 x pp=4"),
-    (dict(pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_microbatches=5), r"pp_microbatches=5 does not suit interleaved_1f1b with pp=2"),
-    (dict(pp_layers=[2, 2]), r"pp_layers=\[2, 2\] is invalid: expected 2 positive integers .* summing to the 5 pipeline layers"),
-    (dict(pp_layers=[5, 0]), r"pp_layers=\[5, 0\] is invalid"),
-    (dict(pp_microbatches=0), r"pp_microbatches=0 is invalid: expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(pp_schedule="pipedream"), r"pp_schedule='pipedream' is invalid: expected one of \['1f1b', 'dualpipev'"),
+        (dict(pp_virtual_stages=2), r"pp_schedule=1f1b runs one stage per rank, but pp_virtual_stages=2"),
+        (dict(pp_schedule="interleaved_1f1b"), r"pp_virtual_stages=1 must be >= 2"),
+        (
+            dict(pp_schedule="zbv", pp_virtual_stages=3),
+            r"V-shaped, exactly two stages per rank: pp_virtual_stages=3 must be 2",
+        ),
+        (
+            dict(pp=8, pp_microbatches=8),
+            r"5 pipeline layers \(the embedding, each block and the head\) cannot fill pp=8 x pp_virtual_stages=1 = 8 stages",
+        ),
+        (dict(pp_microbatches=1), r"pp_microbatches=1 is below what 1f1b needs: at least pp=2"),
+        (
+            dict(pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=3),
+            r"pp_microbatches=3 is below what dualpipev needs: at least 2 x pp=4",
+        ),
+        (
+            dict(pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_microbatches=5),
+            r"pp_microbatches=5 does not suit interleaved_1f1b with pp=2",
+        ),
+        (
+            dict(pp_layers=[2, 2]),
+            r"pp_layers=\[2, 2\] is invalid: expected 2 positive integers .* summing to the 5 pipeline layers",
+        ),
+        (dict(pp_layers=[5, 0]), r"pp_layers=\[5, 0\] is invalid"),
+        (dict(pp_microbatches=0), r"pp_microbatches=0 is invalid: expected a positive integer"),
+    ],
+)
 def test_bad_pipeline_configs_are_named(kw, match):
     args = dict(pp=2, pp_microbatches=2) | kw
     with pytest.raises(ValueError, match=match):
@@ -133,7 +153,10 @@ def test_trainer_names_the_parallel_keys_before_any_process_group():
     with pytest.raises(ValueError, match=r"parallel.pp_layers=\[1, 2\] is invalid"):
         build_plan(cfg_of(*SHORT, "parallel=pp2", "parallel.pp_layers=[1,2]"))
     cfg = cfg_of(*SHORT, "parallel=pp2", "parallel.pp_microbatches=3")
-    with pytest.raises(ValueError, match=r"train.batch_size=8 must be divisible by dp=1 x train.grad_accum=1 x parallel.pp_microbatches=3"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.batch_size=8 must be divisible by dp=1 x train.grad_accum=1 x parallel.pp_microbatches=3",
+    ):
         _check_train_cfg(cfg, Layout(world=2, pp=2, dp=1), build_plan(cfg))
     # one process cannot hold two stages: refused by the numbers, not by a hang
     with pytest.raises(ValueError, match=r"world size 1 is not divisible by pp=2"):
@@ -142,8 +165,9 @@ def test_trainer_names_the_parallel_keys_before_any_process_group():
 
 
 def test_memory_prediction_per_stage():
-    per_stage = predict_memory([{"dense": 4e9, "expert": 0}, {"dense": 2e9, "expert": 8e9}], dp=4, ep=2, stage=3,
-                               mixed_precision="bf16")
+    per_stage = predict_memory(
+        [{"dense": 4e9, "expert": 0}, {"dense": 2e9, "expert": 8e9}], dp=4, ep=2, stage=3, mixed_precision="bf16"
+    )
     one = predict_memory({"dense": 2e9, "expert": 8e9}, dp=4, ep=2, stage=3, mixed_precision="bf16")
     assert per_stage[1] == one and per_stage[0]["expert"]["params"] == 0
     assert per_stage[0]["dense"]["params"] == 4e9 * 2 / 4
@@ -155,15 +179,46 @@ RUNS_2 = [
     (["parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"], 1),  # m = 1
     (["parallel.pp_microbatches=2", "parallel.zero_stage=1", "train.grad_clip=0.05"], 2),  # m = p, clipping on
     (["parallel.pp_microbatches=4", "parallel.zero_stage=2", "train.grad_accum=2"], 8),  # m = 2p, accumulation on top
-    (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=2",
-      "parallel.zero_stage=3"], 2),
+    (
+        [
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=2",
+            "parallel.zero_stage=3",
+        ],
+        2,
+    ),
     (["parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"], 4),
     # split backward with activation checkpointing: the input pass recomputes, the weight pass reuses
-    (["parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4", "parallel.zero_stage=3",
-      "model.checkpoint_activations=true"], 4),
-    (["parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4",
-      "parallel.zero_stage=2", "parallel.zero_offload=true"], 4),
-    (["parallel.pp_schedule=gpipe", "parallel.pp_layers=[1,3]", "parallel.pp_microbatches=4", "parallel.zero_stage=1"], 4),  # uneven
+    (
+        [
+            "parallel.pp_schedule=zbv",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4",
+            "parallel.zero_stage=3",
+            "model.checkpoint_activations=true",
+        ],
+        4,
+    ),
+    (
+        [
+            "parallel.pp_schedule=dualpipev",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4",
+            "parallel.zero_stage=2",
+            "parallel.zero_offload=true",
+        ],
+        4,
+    ),
+    (
+        [
+            "parallel.pp_schedule=gpipe",
+            "parallel.pp_layers=[1,3]",
+            "parallel.pp_microbatches=4",
+            "parallel.zero_stage=1",
+        ],
+        4,
+    ),  # uneven
 ]
 # With dp=2 every rank's j-th micro-batch is its half of one process's j-th micro-batch
 # (LMData.get_batch's row order), so the balancing loss, a batch statistic reduced over dp, and the
@@ -171,8 +226,16 @@ RUNS_2 = [
 RUNS_4 = [
     (["parallel=pp2", "parallel.ep=2", "parallel.pp_microbatches=2"], 2),  # pp=2 x ep=2
     (["parallel=pp2_ep2_zero3"], 4),  # pp=2 x dp=2 x ZeRO-3, ep=2
-    (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
-      "parallel.pp_microbatches=2", "parallel.zero_stage=1"], 2),  # interleaved with dp=2
+    (
+        [
+            "parallel=pp2",
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=2",
+            "parallel.zero_stage=1",
+        ],
+        2,
+    ),  # interleaved with dp=2
 ]
 
 
@@ -186,8 +249,13 @@ def _trainer_runs(rank, world, runs, run_dirs):
 
     def counting_step(self, *args, **kwargs):
         norm = step(self, *args, **kwargs)
-        seen.append((self.gather_stats["gathers"], sum(u.has_sharded_params() for u in self.units),
-                     measure_memory(self)["gathered"]))
+        seen.append(
+            (
+                self.gather_stats["gathers"],
+                sum(u.has_sharded_params() for u in self.units),
+                measure_memory(self)["gathered"],
+            )
+        )
         return norm
 
     ZeroEngine.step = counting_step
@@ -206,14 +274,30 @@ def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
         what = " ".join(overrides)
         assert [s["layout"]["pp"] for s in got] == [2] * world, what
         single_overrides = [o for o in overrides if not o.startswith(("parallel", "train.grad_accum"))]
-        single = run(cfg_of(*BASE, *single_overrides, f"train.grad_accum={micro}"), tmp_path, stdlib, f"single{i}", keep_weights=True)
+        single = run(
+            cfg_of(*BASE, *single_overrides, f"train.grad_accum={micro}"),
+            tmp_path,
+            stdlib,
+            f"single{i}",
+            keep_weights=True,
+        )
         rows, ref_rows = metrics_rows(tmp_path / f"pp{i}"), metrics_rows(tmp_path / f"single{i}")
-        assert all(s["train_losses"] == got[0]["train_losses"] for s in got), f"{what}: every rank reports the same loss"
-        np.testing.assert_allclose(got[0]["train_losses"], single["train_losses"], rtol=LOSS_RTOL, err_msg=f"{what}: losses")
+        assert all(s["train_losses"] == got[0]["train_losses"] for s in got), (
+            f"{what}: every rank reports the same loss"
+        )
+        np.testing.assert_allclose(
+            got[0]["train_losses"], single["train_losses"], rtol=LOSS_RTOL, err_msg=f"{what}: losses"
+        )
         assert len(rows) == STEPS
-        np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
-                                   err_msg=f"{what}: gradient norms")
-        np.testing.assert_allclose([r["aux_loss"] for r in rows], [r["aux_loss"] for r in ref_rows], rtol=LOSS_RTOL, err_msg=what)
+        np.testing.assert_allclose(
+            [r["grad_norm"] for r in rows],
+            [r["grad_norm"] for r in ref_rows],
+            rtol=LOSS_RTOL,
+            err_msg=f"{what}: gradient norms",
+        )
+        np.testing.assert_allclose(
+            [r["aux_loss"] for r in rows], [r["aux_loss"] for r in ref_rows], rtol=LOSS_RTOL, err_msg=what
+        )
         # per-layer expert load of every layer, whichever stage holds it: identical counts
         assert [r["expert_load"] for r in rows] == [r["expert_load"] for r in ref_rows], f"{what}: expert load"
         assert got[0]["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=LOSS_RTOL), what
@@ -237,14 +321,16 @@ def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
 
 
 def test_two_stages_train_like_one_process_under_every_schedule(tmp_path, stdlib):
-    per_rank = run_distributed(_trainer_runs, 2, [o for o, _ in RUNS_2], [tmp_path / f"pp{i}" for i in range(len(RUNS_2))],
-                               timeout=600)
+    per_rank = run_distributed(
+        _trainer_runs, 2, [o for o, _ in RUNS_2], [tmp_path / f"pp{i}" for i in range(len(RUNS_2))], timeout=600
+    )
     _check_against_one_process(per_rank, RUNS_2, tmp_path, stdlib, 2)
 
 
 def test_pipeline_with_expert_parallelism_and_zero3_on_four_ranks(tmp_path, stdlib):
-    per_rank = run_distributed(_trainer_runs, 4, [o for o, _ in RUNS_4], [tmp_path / f"pp{i}" for i in range(len(RUNS_4))],
-                               timeout=600)
+    per_rank = run_distributed(
+        _trainer_runs, 4, [o for o, _ in RUNS_4], [tmp_path / f"pp{i}" for i in range(len(RUNS_4))], timeout=600
+    )
     _check_against_one_process(per_rank, RUNS_4, tmp_path, stdlib, 4)
 
 
@@ -261,10 +347,13 @@ def _aux_only_case(schedule, virtual, m):
 
     layout = Layout.build(pp=2)
     model = _tiny_model(n_layers=3)
-    plan = plan_pipeline(model.num_pipeline_layers, pp=2, pp_schedule=schedule, pp_microbatches=m, pp_virtual_stages=virtual)
+    plan = plan_pipeline(
+        model.num_pipeline_layers, pp=2, pp_schedule=schedule, pp_microbatches=m, pp_virtual_stages=virtual
+    )
     held, chunks = split_model(model, plan, layout)
-    engine = ZeroEngine(held, layout, blocks=default_blocks(held), entries=chunks,
-                        optimizer=lambda g: torch.optim.SGD(g, lr=0.0))
+    engine = ZeroEngine(
+        held, layout, blocks=default_blocks(held), entries=chunks, optimizer=lambda g: torch.optim.SGD(g, lr=0.0)
+    )
     moe.scale_aux_losses(held, 1.0 / m)
     pipe = Pipeline(chunks, plan, layout, engine, loss_fn=lambda out, y: out.sum() * 0.0)
     x, y = _aux_batch()
@@ -339,11 +428,29 @@ def test_two_torchrun_nodes_one_stage_each(tmp_path, stdlib):
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     run_dir = tmp_path / "two_nodes"
     args = ["parallel=pp2", *BASE, "train.steps=4", "train.eval_every=4", f"hydra.run.dir={run_dir}"]
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_id=pp_two_nodes",
-                               "-m", "experiments.train", *args],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{store.port}",
+                "--rdzv_id=pp_two_nodes",
+                "-m",
+                "experiments.train",
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     del store
     for p, (out, err) in zip(procs, outs):

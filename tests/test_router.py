@@ -2,8 +2,8 @@
 
 Shapes follow the project's legend (docs/design.md).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
@@ -20,12 +20,16 @@ VARIANTS = {
     "sigmoid": dict(num_experts=8, top_k=2, score_func="sigmoid"),
     "sigmoid_no_renorm": dict(num_experts=8, top_k=2, score_func="sigmoid", normalize_topk=False),
     "groups": dict(num_experts=12, top_k=3, num_groups=4, topk_groups=2),
-    "sigmoid_groups_deepseek": dict(num_experts=16, top_k=4, score_func="sigmoid", num_groups=8, topk_groups=3, route_scale=2.5),
+    "sigmoid_groups_deepseek": dict(
+        num_experts=16, top_k=4, score_func="sigmoid", num_groups=8, topk_groups=3, route_scale=2.5
+    ),
     "one_expert_per_group": dict(num_experts=6, top_k=2, num_groups=6, topk_groups=3),
     "k_eq_E": dict(num_experts=5, top_k=5),
     "E1": dict(num_experts=1, top_k=1),
     "bias": dict(num_experts=8, top_k=2, expert_bias=True),
-    "bias_groups_sigmoid": dict(num_experts=8, top_k=2, expert_bias=True, score_func="sigmoid", num_groups=4, topk_groups=2),
+    "bias_groups_sigmoid": dict(
+        num_experts=8, top_k=2, expert_bias=True, score_func="sigmoid", num_groups=4, topk_groups=2
+    ),
 }
 
 
@@ -46,7 +50,9 @@ def test_token_choice_matches_naive(name):
     got_ids, order = routing.expert_ids_TK.sort(dim=1)
     want_ids, want_order = ids.sort(dim=1)
     assert torch.equal(got_ids, want_ids)
-    torch.testing.assert_close(routing.weights_TK.gather(1, order).double(), w.gather(1, want_order), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        routing.weights_TK.gather(1, order).double(), w.gather(1, want_order), rtol=1e-5, atol=1e-6
+    )
     assert torch.equal(routing.selected_TK, routing.expert_ids_TK)  # no capacity: nothing dropped
     assert routing.logits_TE.dtype == torch.float32
 
@@ -85,17 +91,20 @@ def test_bf16_input_routes_in_fp32():
     torch.testing.assert_close(r.logits_TE, x.float() @ router.weight.float().t())
 
 
-@pytest.mark.parametrize("cf,k,T,E,want", [
-    (1.0, 2, 10, 4, 5),  # 20 / 4 = 5 exactly: no rounding up
-    (1.25, 1, 7, 3, 3),  # 8.75 / 3 = 2.92
-    (0.1, 6, 8192, 64, 77),  # 4915.2 / 64 = 76.8
-    (2.0, 2, 1, 8, 1),  # 0.5: an expert takes at least one assignment
-    (1.0, 2, 0, 4, 0),  # no tokens, no capacity
-    # whole numbers that the float product overshoots (1.1 * 50 / 5 = 11.000000000000002)
-    (1.1, 1, 50, 5, 11),
-    (0.1, 6, 50, 5, 6),  # float: 6.000000000000001
-    (0.1, 6, 100, 4, 15),  # float: 15.000000000000002
-    (2, 1, 9, 3, 6),  # an int capacity factor
-])
+@pytest.mark.parametrize(
+    "cf,k,T,E,want",
+    [
+        (1.0, 2, 10, 4, 5),  # 20 / 4 = 5 exactly: no rounding up
+        (1.25, 1, 7, 3, 3),  # 8.75 / 3 = 2.92
+        (0.1, 6, 8192, 64, 77),  # 4915.2 / 64 = 76.8
+        (2.0, 2, 1, 8, 1),  # 0.5: an expert takes at least one assignment
+        (1.0, 2, 0, 4, 0),  # no tokens, no capacity
+        # whole numbers that the float product overshoots (1.1 * 50 / 5 = 11.000000000000002)
+        (1.1, 1, 50, 5, 11),
+        (0.1, 6, 50, 5, 6),  # float: 6.000000000000001
+        (0.1, 6, 100, 4, 15),  # float: 15.000000000000002
+        (2, 1, 9, 3, 6),  # an int capacity factor
+    ],
+)
 def test_capacity_by_hand(cf, k, T, E, want):
     assert capacity(cf, k, T, E) == want

@@ -1,5 +1,6 @@
 """The config schema (experiments/schema.py): yaml files hold deltas only, typos and wrong types stop
 composition naming the key, every config composes into valid moe configs, moe stays hydra-free."""
+
 import dataclasses
 import json
 import os
@@ -21,7 +22,11 @@ from moe.model import TransformerConfig
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # the trainer's groups; conf/hydra holds Hydra's own (hydra/launcher: the submitit plugin's schemas)
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_") and p.name not in ("experiment", "hydra"))
+GROUPS = sorted(
+    p.name
+    for p in CONF.iterdir()
+    if p.is_dir() and not p.name.startswith("_") and p.name not in ("experiment", "hydra")
+)
 
 
 def cfg_of(*overrides, conf=CONF):
@@ -42,7 +47,11 @@ def _redundant(raw: dict, schema_cls: type, path: str = "") -> list[str]:
     out = []
     for key in raw:
         sub = getattr(schema_cls, "__dataclass_fields__", {}).get(key)
-        if isinstance(raw[key], dict) and sub is not None and dataclasses.is_dataclass(typing.get_type_hints(schema_cls)[key]):
+        if (
+            isinstance(raw[key], dict)
+            and sub is not None
+            and dataclasses.is_dataclass(typing.get_type_hints(schema_cls)[key])
+        ):
             out += _redundant(raw[key], typing.get_type_hints(schema_cls)[key], f"{path}{key}.")
         elif typed[key] == default[key] and type(typed[key]) is type(default[key]):
             out.append(f"{path}{key}={raw[key]!r}")
@@ -85,7 +94,10 @@ def test_train_yaml_holds_only_deltas():
 
 def test_delta_check_sees_a_repeated_default(tmp_path):
     # the check above is not vacuous: a default written out (in the yaml's own spelling) is caught
-    assert _redundant({"top_k": 2, "aux_loss_coef": 1.0e-2, "d_model": "${model.d_model}"}, MoEConfig) == ["top_k=2", "aux_loss_coef=0.01"]
+    assert _redundant({"top_k": 2, "aux_loss_coef": 1.0e-2, "d_model": "${model.d_model}"}, MoEConfig) == [
+        "top_k=2",
+        "aux_loss_coef=0.01",
+    ]
     assert _redundant({"rope_theta": 10000, "moe_every": 2}, schema.ModelConfig) == ["rope_theta=10000"]
     assert _redundant({"train": {"steps": 400, "seq_len": 64}, "seed": 1}, schema.TrainConfig) == ["train.steps=400"]
 
@@ -112,34 +124,40 @@ def test_every_config_composes_into_valid_moe_configs(choice):
     assert type(plain["moe"]) is dict and "${" not in json.dumps(plain)
 
 
-@pytest.mark.parametrize("override,key", [
-    ("moe.topk=2", "moe.topk"),
-    ("train.stepz=3", "train.stepz"),
-    ("model.d_modle=64", "model.d_modle"),
-    ("parallel.zero_stag=1", "parallel.zero_stag"),
-    ("optim.learning_rate=1e-3", "optim.learning_rate"),
-    ("data.paht=/x", "data.paht"),
-    ("logger.projet=x", "logger.projet"),
-    ("sed=1", "sed"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("moe.topk=2", "moe.topk"),
+        ("train.stepz=3", "train.stepz"),
+        ("model.d_modle=64", "model.d_modle"),
+        ("parallel.zero_stag=1", "parallel.zero_stag"),
+        ("optim.learning_rate=1e-3", "optim.learning_rate"),
+        ("data.paht=/x", "data.paht"),
+        ("logger.projet=x", "logger.projet"),
+        ("sed=1", "sed"),
+    ],
+)
 def test_mistyped_key_is_rejected_naming_it(override, key):
     with pytest.raises(ConfigCompositionException, match=f"Could not override '{key}'") as info:
         cfg_of(override)
     assert f"full_key: {key}" in str(info.value.__cause__)
 
 
-@pytest.mark.parametrize("override,key", [
-    ("train.steps=abc", "train.steps"),
-    ("moe.top_k=two", "moe.top_k"),
-    ("moe.capacity_factor=lots", "moe.capacity_factor"),
-    ("model.d_model=1.5", "model.d_model"),
-    ("model.tie_embeddings=maybe", "model.tie_embeddings"),
-    ("parallel.zero_offload=perhaps", "parallel.zero_offload"),
-    ("optim.lr=fast", "optim.lr"),
-    ("optim.betas=0.9", "optim.betas"),
-    ("data.vocab_size=big", "data.vocab_size"),
-    ("seed=x", "seed"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.steps=abc", "train.steps"),
+        ("moe.top_k=two", "moe.top_k"),
+        ("moe.capacity_factor=lots", "moe.capacity_factor"),
+        ("model.d_model=1.5", "model.d_model"),
+        ("model.tie_embeddings=maybe", "model.tie_embeddings"),
+        ("parallel.zero_offload=perhaps", "parallel.zero_offload"),
+        ("optim.lr=fast", "optim.lr"),
+        ("optim.betas=0.9", "optim.betas"),
+        ("data.vocab_size=big", "data.vocab_size"),
+        ("seed=x", "seed"),
+    ],
+)
 def test_wrong_type_is_rejected_naming_the_key(override, key):
     with pytest.raises(ConfigCompositionException, match=f"Error merging override {override}") as info:
         cfg_of(override)
@@ -162,7 +180,9 @@ def test_added_key_is_rejected_before_training():
     cfg = cfg_of("+moe.foo=1", "+train.stepz=3")
     with pytest.raises(ValueError) as info:
         schema.check_keys(cfg)
-    assert "unknown config key moe.foo: MoEConfig has no such field (valid: d_model, d_ff, num_experts" in str(info.value)
+    assert "unknown config key moe.foo: MoEConfig has no such field (valid: d_model, d_ff, num_experts" in str(
+        info.value
+    )
     assert "unknown config key train.stepz: TrainLoopConfig has no such field (valid: steps," in str(info.value)
     with pytest.raises(ValueError, match=r"train\.stepz"):
         train(cfg_of("model=tiny", "logger=none", "+train.stepz=3"))
@@ -177,6 +197,11 @@ def test_moe_zero_kernels_import_without_hydra():
         "import moe, moe.model, zero, routing_kernels\n"
         "moe.MoEConfig(d_model=8, d_ff=16)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert result.returncode == 0, result.stderr[-3000:]

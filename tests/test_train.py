@@ -1,4 +1,5 @@
 """The training entry point: every config composes and trains, determinism, metrics, layouts, errors."""
+
 import dataclasses
 import json
 import math
@@ -27,8 +28,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # shrink whatever a config chooses to seconds of CPU, keeping its structure (groups, flags, ratios)
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "train.steps=2", "train.batch_size=4",
-        "train.seq_len=16", "train.eval_batches=1", "train.eval_every=1", "train.log_every=1", "train.progress=false", "optim.warmup_steps=1"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "train.steps=2",
+    "train.batch_size=4",
+    "train.seq_len=16",
+    "train.eval_batches=1",
+    "train.eval_every=1",
+    "train.log_every=1",
+    "train.progress=false",
+    "optim.warmup_steps=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +114,11 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
     if group == "parallel" and (cfg.parallel.ep > 1 or cfg.parallel.pp > 1):
         # needs several ranks: the layout and pipeline tests run it; one process must refuse it by
         # the numbers (the pipeline plan first: too few layers of this tiny model for its stages)
-        match = (f"world size 1 is not divisible by pp={cfg.parallel.pp}|cannot fill" if cfg.parallel.pp > 1
-                 else f"ep={cfg.parallel.ep} does not divide dp=1")
+        match = (
+            f"world size 1 is not divisible by pp={cfg.parallel.pp}|cannot fill"
+            if cfg.parallel.pp > 1
+            else f"ep={cfg.parallel.ep} does not divide dp=1"
+        )
         with pytest.raises(ValueError, match=match):
             run(cfg, tmp_path, stdlib)
         return
@@ -125,7 +141,7 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
     assert [r["step"] for r in rows] == [1, 2]
     if group == "logger" and choice == "wandb":
         runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
-        records, = runs[0].glob("run-*.wandb")  # an offline run, ready for `wandb sync`
+        (records,) = runs[0].glob("run-*.wandb")  # an offline run, ready for `wandb sync`
         blob = records.read_bytes()  # protobuf records: keys and config strings appear verbatim
         assert b"expert_load/layer0" in blob and b"val_loss" in blob and b"tokens_per_s" in blob
         assert b'"d_model"' in blob and b"${" not in blob, "the config is logged resolved"
@@ -153,7 +169,7 @@ def _wandb_services() -> list[int]:
 
 def test_moe_vs_dense_pairs_equal_active_params(tmp_path, stdlib):
     exp = OmegaConf.load(CONF / "experiment" / "moe_vs_dense.yaml")
-    (key, values), = exp.hydra.sweeper.params.items()
+    ((key, values),) = exp.hydra.sweeper.params.items()
     summaries = {}
     for v in str(values).split(","):
         cfg = cfg_of("experiment=moe_vs_dense", "logger=none", *TINY, f"{key}={v}")
@@ -167,7 +183,15 @@ def test_moe_vs_dense_pairs_equal_active_params(tmp_path, stdlib):
     assert moe_run["params_total"] - dense["params_total"] == 2 * (8 * 3 * D * F // 2 - 3 * D * F + 8 * D)
 
 
-SHORT = ["model=tiny", "logger=none", "train.progress=false", "train.batch_size=8", "train.seq_len=32", "train.eval_batches=2", "optim.warmup_steps=2"]
+SHORT = [
+    "model=tiny",
+    "logger=none",
+    "train.progress=false",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.eval_batches=2",
+    "optim.warmup_steps=2",
+]
 
 
 def test_short_run_lowers_loss_and_writes_metrics(tmp_path, stdlib):
@@ -185,7 +209,9 @@ def test_short_run_lowers_loss_and_writes_metrics(tmp_path, stdlib):
     assert rows[-1]["val_loss"] == s["final_val_loss"]
     assert rows[-1]["lr"] < rows[1]["lr"]  # cosine decay
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert saved["final_val_loss"] == s["final_val_loss"] and saved["unigram_entropy"] == pytest.approx(stdlib.unigram_entropy())
+    assert saved["final_val_loss"] == s["final_val_loss"] and saved["unigram_entropy"] == pytest.approx(
+        stdlib.unigram_entropy()
+    )
 
 
 def test_same_config_same_curve(tmp_path, stdlib):
@@ -215,11 +241,17 @@ WEIGHT_ATOL = 1e-5
 def check_same_training(got, got_rows, ref, ref_rows, what):
     np.testing.assert_allclose(got["train_losses"], ref["train_losses"], rtol=LOSS_RTOL, err_msg=f"{what}: losses")
     assert [r["step"] for r in got_rows] == [r["step"] for r in ref_rows] == list(range(1, len(ref_rows) + 1)), what
-    np.testing.assert_allclose([r["grad_norm"] for r in got_rows], [r["grad_norm"] for r in ref_rows], rtol=GNORM_RTOL,
-                               err_msg=f"{what}: gradient norms")
+    np.testing.assert_allclose(
+        [r["grad_norm"] for r in got_rows],
+        [r["grad_norm"] for r in ref_rows],
+        rtol=GNORM_RTOL,
+        err_msg=f"{what}: gradient norms",
+    )
     assert set(got["weights"]) == set(ref["weights"]), what
     for name, w in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m: f"{what}: final {name}: {m}")
+        torch.testing.assert_close(
+            got["weights"][name], w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m: f"{what}: final {name}: {m}"
+        )
     # and the runs trained: equal weights after 3 steps would also hold for two frozen models
     assert ref["train_losses"][-1] < ref["train_losses"][0], what
 
@@ -296,15 +328,21 @@ def _check_layouts(per_rank, layouts, tmp_path, stdlib, world):
     for i, (ep, extra) in enumerate(layouts):
         runs = [r[i] for r in per_rank]
         # the run was distributed as asked: every rank in the layout, each with its own rows
-        assert [s["layout"] for s in runs] == [{"world": world, "rank": r, "dp": world, "ep": ep, "pp": 1} for r in range(world)], extra
+        assert [s["layout"] for s in runs] == [
+            {"world": world, "rank": r, "dp": world, "ep": ep, "pp": 1} for r in range(world)
+        ], extra
         single_overrides = [o for o in extra if not o.startswith("parallel")] + LAYOUT_BASE
         single = run(cfg_of(*single_overrides), tmp_path, stdlib, f"single{i}", keep_weights=True)
         full_batch = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)[0]
-        assert torch.equal(torch.cat([s["rows_step0"] for s in runs]), full_batch), f"{extra}: the ranks' rows are not the global batch"
+        assert torch.equal(torch.cat([s["rows_step0"] for s in runs]), full_batch), (
+            f"{extra}: the ranks' rows are not the global batch"
+        )
         assert all(len(s["rows_step0"]) == 8 // world for s in runs), extra
         assert all(r["train_losses"] == runs[0]["train_losses"] for r in runs), "the logged loss is the dp mean"
         got = dict(runs[0], weights=assemble_weights(runs, single["weights"]))
-        check_same_training(got, metrics_rows(tmp_path / f"dist{i}"), single, metrics_rows(tmp_path / f"single{i}"), f"layout {extra}")
+        check_same_training(
+            got, metrics_rows(tmp_path / f"dist{i}"), single, metrics_rows(tmp_path / f"single{i}"), f"layout {extra}"
+        )
 
 
 def test_two_ranks_train_like_one_process_on_every_layout(tmp_path, stdlib):
@@ -327,8 +365,19 @@ def test_torchrun_launch(tmp_path, stdlib):
     # do not both read the standard library on a fresh machine.
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     run_dir = tmp_path / "tr"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "experiments.train",
-           "parallel=zero3_ep2", "experiment=smoke", *TINY, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "experiments.train",
+        "parallel=zero3_ep2",
+        "experiment=smoke",
+        *TINY,
+        f"hydra.run.dir={run_dir}",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ep=2" in p.stdout and p.stdout.count("final val loss") == 1  # rank 0 alone reports
@@ -355,7 +404,11 @@ OPTIMIZER_CHOICES = [
     (["optim.impl=auto"], torch.optim.AdamW, {"fused": True}),  # torch's fused kernel runs on the CPU too
     (["optim.name=adam", "optim.impl=foreach"], torch.optim.Adam, {"foreach": True, "betas": (0.9, 0.95)}),
     (["optim.name=sgd"], torch.optim.SGD, {"momentum": 0.9}),
-    (["optim.name=sgd", "optim.momentum=0.5", "optim.impl=foreach"], torch.optim.SGD, {"momentum": 0.5, "foreach": True}),
+    (
+        ["optim.name=sgd", "optim.momentum=0.5", "optim.impl=foreach"],
+        torch.optim.SGD,
+        {"momentum": 0.5, "foreach": True},
+    ),
 ]
 
 
@@ -380,33 +433,42 @@ def test_build_engine_uses_the_configured_optimizer_under_every_stage(stage):
 
 def test_bad_optimizer_choices_are_named():
     model = build_model(cfg_of("model=tiny"))
-    for overrides, match in [(["optim.impl=sgd"], "optim.impl='sgd'"), (["optim.name=lion"], "optim.name='lion'"),
-                             (["optim.name=sgd", "optim.impl=switchyard"], "optim.impl=switchyard is routing_kernels.FusedAdamW")]:
+    for overrides, match in [
+        (["optim.impl=sgd"], "optim.impl='sgd'"),
+        (["optim.name=lion"], "optim.name='lion'"),
+        (["optim.name=sgd", "optim.impl=switchyard"], "optim.impl=switchyard is routing_kernels.FusedAdamW"),
+    ]:
         with pytest.raises(ValueError, match=match):
             build_engine(cfg_of("model=tiny", *overrides), model, zero.Layout.single())
 
 
-@pytest.mark.parametrize("override,error,match", [
-    ("model.d_modle=64", ConfigCompositionException, "d_modle"),
-    ("moe=mixtrl", ConfigCompositionException, "mixtrl"),
-    ("experiment=moe_vs_dens", ConfigCompositionException, "moe_vs_dens"),
-])
+@pytest.mark.parametrize(
+    "override,error,match",
+    [
+        ("model.d_modle=64", ConfigCompositionException, "d_modle"),
+        ("moe=mixtrl", ConfigCompositionException, "mixtrl"),
+        ("experiment=moe_vs_dens", ConfigCompositionException, "moe_vs_dens"),
+    ],
+)
 def test_mistyped_overrides_are_named(override, error, match):
     with pytest.raises(error, match=match):
         cfg_of(override)
 
 
-@pytest.mark.parametrize("override,match", [
-    ("moe.top_k=9", r"MoEConfig\.top_k=9"),
-    ("moe.capacity_factor=-1", r"MoEConfig\.capacity_factor=-1"),
-    ("model.n_heads=3", r"TransformerConfig\.n_heads=3"),
-    ("train.batch_size=6", r"train\.batch_size=6 must be divisible by dp=1 x train\.grad_accum=4"),
-    ("precision=fp8", "precision='fp8'"),
-    ("parallel.zero_stage=5", r"parallel\.zero_stage=5"),
-    ("parallel.zero_offload=true", r"parallel\.zero_offload=true needs parallel\.zero_stage >= 1"),
-    ("parallel.ep=2", "ep=2 does not divide dp=1"),
-    ("logger.name=tensorboard", "logger.name='tensorboard'"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("moe.top_k=9", r"MoEConfig\.top_k=9"),
+        ("moe.capacity_factor=-1", r"MoEConfig\.capacity_factor=-1"),
+        ("model.n_heads=3", r"TransformerConfig\.n_heads=3"),
+        ("train.batch_size=6", r"train\.batch_size=6 must be divisible by dp=1 x train\.grad_accum=4"),
+        ("precision=fp8", "precision='fp8'"),
+        ("parallel.zero_stage=5", r"parallel\.zero_stage=5"),
+        ("parallel.zero_offload=true", r"parallel\.zero_offload=true needs parallel\.zero_stage >= 1"),
+        ("parallel.ep=2", "ep=2 does not divide dp=1"),
+        ("logger.name=tensorboard", "logger.name='tensorboard'"),
+    ],
+)
 def test_bad_values_are_named(override, match, tmp_path, stdlib):
     cfg = cfg_of("model=tiny", "logger=none", "train.grad_accum=4", "train.batch_size=8", override)
     with pytest.raises(ValueError, match=match):
@@ -434,7 +496,16 @@ def test_wandb_sweep_drives_the_same_entry_point():
 def test_cli_multirun(tmp_path, stdlib):  # stdlib: the data cache exists before the jobs start
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "experiments.train", "-m", "experiment=smoke", "moe.num_experts=2,4", *TINY, f"hydra.sweep.dir={sweep_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "-m",
+        "experiment=smoke",
+        "moe.num_experts=2,4",
+        *TINY,
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((sweep_dir / "sweep_summary.json").read_text())

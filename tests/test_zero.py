@@ -11,6 +11,7 @@ values differ by rounding (~1e-7 relative) per step; Adam's normalisation can ma
 entries whose gradient is near zero, and 20 steps compound it. 1e-5 relative on each step's loss and
 2e-5 absolute on weights of size ~0.1-1 (lr 1e-2) hold with margin.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import routing_kernels.optim
 from moe import MoEConfig, MoELayer, is_expert_param, scale_aux_losses
 from tests.dist_utils import run_distributed
 from zero import Layout
-import routing_kernels.optim
 from zero.engine import ZeroEngine, default_blocks
 
 D, F, E, STEPS, LR, WD = 16, 24, 4, 20, 1e-2, 0.1
@@ -51,10 +52,12 @@ class TinyNet(nn.Module):
         ep_group = None if layout is None else layout.ep_group
         dp_group = None if layout is None else layout.dp_group
         self.inp = nn.Linear(D, D)
-        self.layers = nn.ModuleList([
-            Block(nn.Sequential(nn.Linear(D, F), nn.GELU(), nn.Linear(F, D))),
-            Block(MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)),
-        ])
+        self.layers = nn.ModuleList(
+            [
+                Block(nn.Sequential(nn.Linear(D, F), nn.GELU(), nn.Linear(F, D))),
+                Block(MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)),
+            ]
+        )
         self.head = nn.Linear(D, 1)
 
     def forward(self, x_BTD):
@@ -124,8 +127,10 @@ def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, k
     net = reference_net(kind)
     scale_aux_losses(net, 1.0 / accum)
     # matrices decay, norm gains and biases do not (the trainer's grouping)
-    groups = [{"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": WD},
-              {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": WD},
+        {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=LR)
     x, y = batches(accum, dp)
     losses = []
@@ -147,13 +152,29 @@ def run_reference(accum: int, clip: float | None, dp: int, steps: int = STEPS, k
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}, first_grads
 
 
-def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps: int = STEPS, kind: str = "tiny",
-               all_no_sync: bool = False, **kw):
+def run_engine(
+    layout: Layout,
+    stage: int,
+    accum: int,
+    clip: float | None,
+    steps: int = STEPS,
+    kind: str = "tiny",
+    all_no_sync: bool = False,
+    **kw,
+):
     net = sharded_net(layout, kind)
     scale_aux_losses(net, 1.0 / accum)
     # the default optimizer (routing_kernels.FusedAdamW) with the reference's two groups
-    engine = ZeroEngine(net, layout, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=clip,
-                        param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0}, **kw)
+    engine = ZeroEngine(
+        net,
+        layout,
+        stage=stage,
+        lr=LR,
+        weight_decay=WD,
+        max_grad_norm=clip,
+        param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0},
+        **kw,
+    )
     x, y = batches(accum, layout.dp)
     rows = slice(layout.dp_rank * B_PER_RANK, (layout.dp_rank + 1) * B_PER_RANK)
     losses = []
@@ -161,7 +182,7 @@ def run_engine(layout: Layout, stage: int, accum: int, clip: float | None, steps
         total = torch.zeros(())
         for m in range(accum):
             last = m == accum - 1 and not all_no_sync  # all_no_sync: step() itself reduces
-            with (engine.no_sync() if not last else _nullcontext()):
+            with engine.no_sync() if not last else _nullcontext():
                 loss = ((engine(x[s, m, rows]) - y[s, m, rows]) ** 2).mean() / accum
                 engine.backward(loss)
             total += loss.detach()
@@ -244,23 +265,37 @@ def _equivalence_rank(rank, world):
     for ep, stage, (accum, clip) in runs:
         layout = layouts.setdefault(ep, Layout.build(ep=ep, num_experts=E))
         losses, params, stats, engine = run_engine(layout, stage, accum, clip)
-        out[("plain", ep, stage, accum, clip)] = (_compare(refs[(accum, clip)], (losses, params, engine.first_grads), layout), stats)
+        out[("plain", ep, stage, accum, clip)] = (
+            _compare(refs[(accum, clip)], (losses, params, engine.first_grads), layout),
+            stats,
+        )
     layout = layouts[offload_ep]
     for stage in (1, 2, 3):
         # offload must change where the optimizer runs, not a single bit of the result
         losses, params, _, _ = run_engine(layout, stage, 2, CLIP, steps=OFFLOAD_STEPS)
         losses_o, params_o, _, _ = run_engine(layout, stage, 2, CLIP, steps=OFFLOAD_STEPS, offload=True)
-        out[("offload_same", offload_ep, stage)] = losses_o == losses and all(torch.equal(params_o[n], params[n]) for n in params)
+        out[("offload_same", offload_ep, stage)] = losses_o == losses and all(
+            torch.equal(params_o[n], params[n]) for n in params
+        )
     if world == 2:
         # a weight shared by two blocks, sharded and gathered under stage 3
         losses, params, stats, engine = run_engine(layout, 3, 2, CLIP, kind="tied")
-        out[("extra", offload_ep, 3, ("tied",))] = (_compare(run_reference(2, CLIP, world, kind="tied"), (losses, params, engine.first_grads), layout), stats)
+        out[("extra", offload_ep, 3, ("tied",))] = (
+            _compare(run_reference(2, CLIP, world, kind="tied"), (losses, params, engine.first_grads), layout),
+            stats,
+        )
         # every micro-batch inside no_sync (step() reduces), and a parameter that gets no gradient
         for stage in (2, 3):
             losses, params, stats, engine = run_engine(layout, stage, 2, CLIP, all_no_sync=True)
-            out[("extra", offload_ep, stage, ("all_no_sync",))] = (_compare(refs[ACCUM_CLIP], (losses, params, engine.first_grads), layout), stats)
+            out[("extra", offload_ep, stage, ("all_no_sync",))] = (
+                _compare(refs[ACCUM_CLIP], (losses, params, engine.first_grads), layout),
+                stats,
+            )
             losses, params, stats, engine = run_engine(layout, stage, 2, CLIP, kind="spare")
-            out[("extra", offload_ep, stage, ("spare",))] = (_compare(run_reference(2, CLIP, world, kind="spare"), (losses, params, engine.first_grads), layout), stats)
+            out[("extra", offload_ep, stage, ("spare",))] = (
+                _compare(run_reference(2, CLIP, world, kind="spare"), (losses, params, engine.first_grads), layout),
+                stats,
+            )
         # bf16 compute weights and gradients, fp32 master weights and moments
         for stage in (2, 3):
             losses, _, _, engine = run_engine(layout, stage, 2, CLIP, steps=BF16_STEPS, mixed_precision="bf16")
@@ -272,7 +307,10 @@ def _equivalence_rank(rank, world):
         out[("transformer", 2, 3)] = _transformer_run(rank, world, layout)
         # a pipeline stage's option: gather once per step, keep across micro-batches
         losses, params, stats, engine = run_engine(layout, 3, 2, CLIP, keep_gathered_across_microbatches=True)
-        out[("extra", offload_ep, 3, ("keep_gathered_across_microbatches",))] = (_compare(refs[ACCUM_CLIP], (losses, params, engine.first_grads), layout), stats)
+        out[("extra", offload_ep, 3, ("keep_gathered_across_microbatches",))] = (
+            _compare(refs[ACCUM_CLIP], (losses, params, engine.first_grads), layout),
+            stats,
+        )
     return out
 
 
@@ -284,9 +322,18 @@ def _transformer_cfg():
 
     # the trainer's model with every feature that touches ZeRO-3: tied embeddings (a weight shared by
     # two blocks), activation checkpointing (block forwards re-run inside the backward), MoE + EP
-    return TransformerConfig(vocab_size=TF_VOCAB, d_model=D, n_layers=3, n_heads=2, d_ff=F, max_seq_len=16, moe_every=2,
-                             moe=MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=2), tie_embeddings=True,
-                             checkpoint_activations=True)
+    return TransformerConfig(
+        vocab_size=TF_VOCAB,
+        d_model=D,
+        n_layers=3,
+        n_heads=2,
+        d_ff=F,
+        max_seq_len=16,
+        moe_every=2,
+        moe=MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=2),
+        tie_embeddings=True,
+        checkpoint_activations=True,
+    )
 
 
 def _transformer_run(rank, world, layout):
@@ -295,7 +342,9 @@ def _transformer_run(rank, world, layout):
 
     from moe.model import Transformer
 
-    tokens = torch.randint(0, TF_VOCAB, (TF_STEPS, world * B_PER_RANK, TF_LEN + 1), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(
+        0, TF_VOCAB, (TF_STEPS, world * B_PER_RANK, TF_LEN + 1), generator=torch.Generator().manual_seed(3)
+    )
     lm_loss = lambda logits, b: Fn.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
     torch.manual_seed(0)
     ref = Transformer(_transformer_cfg())

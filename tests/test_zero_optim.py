@@ -20,6 +20,7 @@ tests (a wrong scale, a wrong group, the factory ignored) move the weights by 1e
 All distributed cases of one world size run inside one spawn of ranks (a spawn costs seconds of
 imports on this machine); the references run once in the test process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import routing_kernels
 from moe import scale_aux_losses
 from tests.dist_utils import run_distributed
-from tests.test_zero import CLIP, E, B_PER_RANK, batches, reference_net, sharded_net
+from tests.test_zero import B_PER_RANK, CLIP, E, batches, reference_net, sharded_net
 from zero import Layout, ZeroEngine
 
 LR, WD, MOMENTUM = 1e-2, 0.1, 0.9
@@ -63,8 +64,10 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "fused")
 def model_groups(net) -> list[dict]:
     """Two groups the torch way over the model's parameters, with different lr and weight decay."""
     params = list(net.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3 * LR}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3 * LR},
+    ]
 
 
 def group_options(name, p) -> dict:
@@ -96,8 +99,15 @@ def run_engine(layout: Layout, opt_name: str, stage: int, steps: int = STEPS, gr
     net = sharded_net(layout)
     scale_aux_losses(net, 1.0 / ACCUM)
     groups = model_groups(net) if groups_as == "list" else group_options
-    engine = ZeroEngine(net, layout, stage=stage, max_grad_norm=CLIP, param_groups=groups,
-                        optimizer=lambda g: make_optimizer(opt_name, g), **kw)
+    engine = ZeroEngine(
+        net,
+        layout,
+        stage=stage,
+        max_grad_norm=CLIP,
+        param_groups=groups,
+        optimizer=lambda g: make_optimizer(opt_name, g),
+        **kw,
+    )
     x, y = batches(ACCUM, layout.dp)
     rows = slice(layout.dp_rank * B_PER_RANK, (layout.dp_rank + 1) * B_PER_RANK)
     losses = []
@@ -127,9 +137,22 @@ def _plan(world: int):
     return plan
 
 
-_COLLECTIVES = ("broadcast", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "barrier",
-                "all_to_all_single", "broadcast_object_list", "all_gather_object", "all_gather_single",
-                "reduce_scatter_single", "reduce_scatter", "scatter", "gather")
+_COLLECTIVES = (
+    "broadcast",
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "barrier",
+    "all_to_all_single",
+    "broadcast_object_list",
+    "all_gather_object",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "reduce_scatter",
+    "scatter",
+    "gather",
+)
 
 
 @contextlib.contextmanager
@@ -143,7 +166,9 @@ def count_collectives():
         def counted(*a, **k):
             count[0] += 1
             return fn(*a, **k)
+
         return counted
+
     for n, fn in saved.items():
         setattr(dist, n, wrap(fn))
     try:
@@ -160,7 +185,9 @@ def _refusals_rank(layout: Layout):
         "adafactor": lambda net: dict(optimizer=lambda g: torch.optim.Adafactor(g, lr=LR)),
         "muon": lambda net: dict(optimizer=lambda g: torch.optim.Muon(g, lr=LR)),
         "ignores_groups": lambda net: dict(optimizer=lambda g: torch.optim.AdamW(net.parameters(), lr=LR)),
-        "param_twice": lambda net: dict(param_groups=[{"params": list(net.parameters())}, {"params": [net.head.weight]}]),
+        "param_twice": lambda net: dict(
+            param_groups=[{"params": list(net.parameters())}, {"params": [net.head.weight]}]
+        ),
     }
     for name, make_kw in cases.items():
         net = sharded_net(layout)
@@ -196,7 +223,12 @@ def _optim_rank(rank, world):
 
 @pytest.fixture(scope="module")
 def references():
-    return {(o, dp, steps): run_reference(o, dp, steps) for o in OPTIMIZERS for dp in (2, 4) for steps in (STEPS, OFFLOAD_STEPS)}
+    return {
+        (o, dp, steps): run_reference(o, dp, steps)
+        for o in OPTIMIZERS
+        for dp in (2, 4)
+        for steps in (STEPS, OFFLOAD_STEPS)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +255,10 @@ def _check_against_references(results, references, world: int) -> int:
             ep, opt_name, stage, offload = key
             losses, params, opt_type, _ = out[key]
             ref_losses, ref_params = references[(opt_name, world, len(losses))]
-            assert opt_type == {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "fused": "FusedAdamW"}[opt_name], (key, opt_type)
+            assert opt_type == {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "fused": "FusedAdamW"}[opt_name], (
+                key,
+                opt_type,
+            )
             for a, b in zip(losses, ref_losses):
                 assert abs(a - b) <= LOSS_RTOL * abs(b), (key, losses, ref_losses)
             ep_rank = rank % ep  # ep groups are consecutive ranks
@@ -263,10 +298,12 @@ def test_refusals_come_before_any_collective_on_every_rank(results_dp2):
     for out in results_dp2:
         refusals = out["refusals"]
         assert refusals["good"][1] > 0  # the counter does see the engine's collectives
-        expect = {"adafactor": "Adafactor cannot run under ZeroEngine: it keeps factored second moments",
-                  "muon": "Muon only supports 2D parameters.*cannot run under ZeroEngine",
-                  "ignores_groups": "none of the shard tensors it was given",
-                  "param_twice": r"parameter head.weight is in param_groups\[0\] and param_groups\[1\]"}
+        expect = {
+            "adafactor": "Adafactor cannot run under ZeroEngine: it keeps factored second moments",
+            "muon": "Muon only supports 2D parameters.*cannot run under ZeroEngine",
+            "ignores_groups": "none of the shard tensors it was given",
+            "param_twice": r"parameter head.weight is in param_groups\[0\] and param_groups\[1\]",
+        }
         for name, pattern in expect.items():
             message, collectives = refusals[name]
             assert message is not None, name
@@ -291,13 +328,22 @@ def test_whole_tensor_and_unknown_optimizers_are_refused_with_the_reason():
     net = reference_net()
     params = {id(p): p.data_ptr() for p in net.parameters()}
     cases = [
-        (lambda g: torch.optim.Adafactor(g), r"Adafactor cannot run under ZeroEngine: it keeps factored second moments "
-                                              r".* which need the parameter's whole 2-D tensor; ZeroEngine gives the "
-                                              r"optimizer 1-D shard tensors"),
+        (
+            lambda g: torch.optim.Adafactor(g),
+            r"Adafactor cannot run under ZeroEngine: it keeps factored second moments "
+            r".* which need the parameter's whole 2-D tensor; ZeroEngine gives the "
+            r"optimizer 1-D shard tensors",
+        ),
         # Muon refuses 1-D tensors itself; the engine says where they come from
-        (lambda g: torch.optim.Muon(g), "1-D fp32 shards.*Muon only supports 2D parameters.*cannot run under ZeroEngine"),
+        (
+            lambda g: torch.optim.Muon(g),
+            "1-D fp32 shards.*Muon only supports 2D parameters.*cannot run under ZeroEngine",
+        ),
         (lambda g: torch.optim.LBFGS(g), "LBFGS cannot run under ZeroEngine"),
-        (lambda g: Lamb(g, lr=0.1), r"Lamb is not known to be elementwise: .* set the class attribute Lamb.elementwise = True"),
+        (
+            lambda g: Lamb(g, lr=0.1),
+            r"Lamb is not known to be elementwise: .* set the class attribute Lamb.elementwise = True",
+        ),
         (lambda g: NotElementwiseSGD(g, lr=0.1), "NotElementwiseSGD says elementwise = False"),
     ]
     for stage in (0, 3):
@@ -319,12 +365,20 @@ def test_bad_factories_and_groups_are_named():
         (dict(optimizer="adamw"), "must be a callable"),
         (dict(optimizer=lambda g: None), "the optimizer factory returned NoneType"),
         (dict(optimizer=lambda g: torch.optim.SGD(net.parameters(), lr=0.1)), "none of the shard tensors it was given"),
-        (dict(optimizer=lambda g: torch.optim.SGD(g[:1], lr=0.1), param_groups=[{"params": mat}, {"params": vec}]),
-         r"must keep the 2 param groups it is given"),
+        (
+            dict(optimizer=lambda g: torch.optim.SGD(g[:1], lr=0.1), param_groups=[{"params": mat}, {"params": vec}]),
+            r"must keep the 2 param groups it is given",
+        ),
         (dict(optimizer=lambda g: torch.optim.SGD(g, lr=0.1), lr=0.1), "configure the default optimizer only"),
         (dict(param_groups=[{"params": mat}]), r"parameter inp.bias is in no param group"),
-        (dict(param_groups=[{"params": mat + vec}, {"params": vec[:1]}]), r"parameter inp.bias is in param_groups\[0\] and param_groups\[1\]"),
-        (dict(param_groups=[{"params": mat + vec + [torch.zeros(3, requires_grad=True)]}]), r"shape \(3,\) that is not a trainable parameter"),
+        (
+            dict(param_groups=[{"params": mat + vec}, {"params": vec[:1]}]),
+            r"parameter inp.bias is in param_groups\[0\] and param_groups\[1\]",
+        ),
+        (
+            dict(param_groups=[{"params": mat + vec + [torch.zeros(3, requires_grad=True)]}]),
+            r"shape \(3,\) that is not a trainable parameter",
+        ),
         (dict(param_groups=[{"lr": 0.1}]), r"param_groups\[0\] must be a dict with a 'params' entry"),
         (dict(param_groups={"params": mat}), "must be a list of dicts"),
         (dict(param_groups=lambda n, p: 0.1), r"param_groups\('inp.weight', \.\.\.\) returned 0.1"),
@@ -338,10 +392,14 @@ def test_bad_factories_and_groups_are_named():
 def test_param_groups_reach_the_optimizer_and_the_metadata_names_each_shard_tensor():
     net = reference_net()
     want = {n: p.detach().clone() for n, p in net.named_parameters()}
-    engine = ZeroEngine(net, None, stage=1, param_groups=group_options,
-                        optimizer=lambda g: torch.optim.SGD(g, lr=LR, momentum=MOMENTUM))
+    engine = ZeroEngine(
+        net, None, stage=1, param_groups=group_options, optimizer=lambda g: torch.optim.SGD(g, lr=LR, momentum=MOMENTUM)
+    )
     opt = engine.optimizer
-    assert [(g["lr"], g["weight_decay"], g["momentum"]) for g in opt.param_groups] == [(LR, WD, MOMENTUM), (3 * LR, 0.0, MOMENTUM)]
+    assert [(g["lr"], g["weight_decay"], g["momentum"]) for g in opt.param_groups] == [
+        (LR, WD, MOMENTUM),
+        (3 * LR, 0.0, MOMENTUM),
+    ]
     shapes = dict(net.named_parameters())
     decayed, plain = engine.param_group_names
     assert all(shapes[n].dim() >= 2 for n in decayed) and all(shapes[n].dim() < 2 for n in plain)
@@ -351,7 +409,11 @@ def test_param_groups_reach_the_optimizer_and_the_metadata_names_each_shard_tens
         for t in flat["shard_tensors"]:
             g, j = t["index"]
             tensor = opt.param_groups[g]["params"][j]
-            assert g == t["param_group"] and tensor.dim() == 1 and tensor.numel() == t["flat_range"][1] - t["flat_range"][0]
+            assert (
+                g == t["param_group"]
+                and tensor.dim() == 1
+                and tensor.numel() == t["flat_range"][1] - t["flat_range"][0]
+            )
             for s in t["params"]:
                 assert (s.name in decayed) == (g == 0)
                 a, b = s.shard_range

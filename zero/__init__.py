@@ -1,13 +1,32 @@
 """Parallel layout and process groups; ``ZeroEngine``: data parallelism for every ZeRO stage, 0 (plain
 replicated data parallelism) to 3, with gradient reduction, clipping and any elementwise optimizer;
 ``zero.pipeline``: pipeline stages on torch.distributed.pipelining, composed with the engine."""
+
 from .engine import ZeroEngine, check_elementwise, default_blocks
 from .flat import ParamSlice
-from .layout import Layout, check_same_on_all_ranks, init_distributed, join_process_group, slurm_environment, validate_layout
+from .layout import (
+    Layout,
+    check_same_on_all_ranks,
+    init_distributed,
+    join_process_group,
+    slurm_environment,
+    validate_layout,
+)
 
 __all__ = [
-    "Layout", "validate_layout", "init_distributed", "slurm_environment", "join_process_group", "check_same_on_all_ranks",
-    "ZeroEngine", "default_blocks", "check_elementwise", "ParamSlice", "predict_memory", "measure_memory", "count_params",
+    "Layout",
+    "validate_layout",
+    "init_distributed",
+    "slurm_environment",
+    "join_process_group",
+    "check_same_on_all_ranks",
+    "ZeroEngine",
+    "default_blocks",
+    "check_elementwise",
+    "ParamSlice",
+    "predict_memory",
+    "measure_memory",
+    "count_params",
 ]
 
 

@@ -51,6 +51,7 @@ Loading never executes code from the checkpoint: items are raw bytes (format 1: 
 ``SafeUnpickler``, which resolves only DCP's metadata classes, ``torch.Size``, dtypes, layouts and
 paths; byte items are refused.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -82,13 +83,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 from torch.distributed.checkpoint.planner_helpers import (
     _create_read_items,
     _create_write_items,
     create_read_items_for_chunk_list,
 )
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 FORMAT = 2  # 2: raw item bytes, XXH3-128 checksums; 1 (still read): torch.save items, SHA-256
 _READS = (1, 2)
@@ -247,19 +248,35 @@ class SafeUnpickler(pickle.Unpickler):
 
     _ALLOWED = {
         ("torch.distributed.checkpoint.metadata", n)
-        for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                  "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-    } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-         ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module, name):
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP metadata file "
-                                     f"never holds; refusing to load it (it could run code)")
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP metadata file "
+            f"never holds; refusing to load it (it could run code)"
+        )
 
 
 class SafeReader(FileSystemReader):
@@ -306,8 +323,10 @@ class SafeReader(FileSystemReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for name, reqs in per_file.items():
             if Path(name).name != name:  # the metadata names files beside it, nothing elsewhere
-                raise ValueError(f"checkpoint {self.path}: its metadata names the data file {name!r} outside "
-                                 f"the checkpoint directory; refusing to read it")
+                raise ValueError(
+                    f"checkpoint {self.path}: its metadata names the data file {name!r} outside "
+                    f"the checkpoint directory; refusing to read it"
+                )
             with open(Path(self.path) / name, "rb") as f:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     self._read_item(f, name, req, planner)
@@ -320,8 +339,10 @@ class SafeReader(FileSystemReader):
         sizes, dtype = self._chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
         itemsize = dtype.itemsize
         if math.prod(sizes) * itemsize != info.length:
-            raise ValueError(f"checkpoint {self.path}: {req.storage_index.fqn} has {info.length} bytes in {name}, "
-                             f"its metadata says {math.prod(sizes) * itemsize}")
+            raise ValueError(
+                f"checkpoint {self.path}: {req.storage_index.fqn} has {info.length} bytes in {name}, "
+                f"its metadata says {math.prod(sizes) * itemsize}"
+            )
         target = planner.resolve_tensor(req).detach()
         if len(sizes) == 1 and target.is_contiguous() and target.device.type == "cpu":
             start, want = info.offset + req.storage_offsets[0] * itemsize, req.lengths[0] * itemsize
@@ -362,8 +383,11 @@ class _Writer(FileSystemWriter):
                 raw = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                 f.write(raw)
                 h.update(raw)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(raw),
-                                           storage_data=_StorageInfo(name, offset, len(raw))))
+                results.append(
+                    WriteResult(
+                        index=item.index, size_in_bytes=len(raw), storage_data=_StorageInfo(name, offset, len(raw))
+                    )
+                )
                 offset += len(raw)
             f.flush()
             if self.sync_files:
@@ -389,11 +413,17 @@ class _ChunkSavePlanner(DefaultSavePlanner):
             if key in self.chunks:
                 offset, numel = self.chunks[key]
                 offsets = torch.Size([offset])
-                items.append(WriteItem(
-                    index=dcp_md.MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=dcp_md.ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
-                                                properties=dcp_md.TensorProperties.create_from_tensor(t),
-                                                size=torch.Size([numel]))))
+                items.append(
+                    WriteItem(
+                        index=dcp_md.MetadataIndex(key, offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=dcp_md.ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                            properties=dcp_md.TensorProperties.create_from_tensor(t),
+                            size=torch.Size([numel]),
+                        ),
+                    )
+                )
             else:
                 items += _create_write_items(key, t)
         self.plan = SavePlan(items)
@@ -427,8 +457,10 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn} holds pickled bytes where a tensor was "
-                         f"expected; refusing to unpickle it")
+        raise ValueError(
+            f"checkpoint entry {read_item.dest_index.fqn} holds pickled bytes where a tensor was "
+            f"expected; refusing to unpickle it"
+        )
 
 
 # ----- the engine's state as DCP entries -------------------------------------------------------
@@ -472,7 +504,7 @@ def _entries(engine, rank: int, rng: bool):
     for f in engine.flats:
         for s in f.metadata():  # the parameters inside this rank's master range
             key = PARAM + s.name
-            tensors[key] = f.master[s.shard_range[0]:s.shard_range[1]]
+            tensors[key] = f.master[s.shard_range[0] : s.shard_range[1]]
             chunks[key] = (_global_offset(s), math.prod(s.global_shape))
             tensors[SHAPE + s.name] = torch.tensor(s.global_shape, dtype=torch.int64)
         for _, a, b, t in f.shards:
@@ -480,10 +512,14 @@ def _entries(engine, rank: int, rng: bool):
                 for s in f.metadata(a, b):
                     key = f"{OPTIM}{skey}/{s.name}"
                     if _per_element(value, t):
-                        tensors[key] = value[s.shard_range[0]:s.shard_range[1]]
+                        tensors[key] = value[s.shard_range[0] : s.shard_range[1]]
                         chunks[key] = (_global_offset(s), math.prod(s.global_shape))
                     else:
-                        scalar = value.detach().clone().cpu() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+                        scalar = (
+                            value.detach().clone().cpu()
+                            if isinstance(value, torch.Tensor)
+                            else torch.tensor(float(value), dtype=torch.float64)
+                        )
                         tensors[key] = scalar
                         scalars.append((key, t, skey))
     for name, buf in _persistent_buffers(engine.module):
@@ -535,8 +571,11 @@ def verify_together(path: str | os.PathLike, group=None) -> str | None:
     return next((p for p in problems if p is not None), None)
 
 
-def _agree(problem: str | None, group, elsewhere: str = "another rank could not load its part of the checkpoint "
-                                                          "(see its error)") -> None:
+def _agree(
+    problem: str | None,
+    group,
+    elsewhere: str = "another rank could not load its part of the checkpoint (see its error)",
+) -> None:
     """Raise on every rank if any rank has a problem (its own message where it has one), so no rank
     enters a collective the others have left."""
     if _distributed(group):
@@ -550,8 +589,11 @@ def _agree(problem: str | None, group, elsewhere: str = "another rank could not 
 
 # DCP warns on every single-process save and load (and again from an async save's thread) that it
 # assumes one process, even when told so with ``no_dist=True``: noise for us, filtered for DCP only
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        module="torch.distributed.checkpoint")
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    module="torch.distributed.checkpoint",
+)
 
 
 def _rank(group) -> int:
@@ -566,10 +608,19 @@ def _distributed(group) -> bool:
 def _meta(engine, step: int, extra: dict | None) -> dict:
     L = engine.layout
     return {
-        "format": FORMAT, "step": int(step), "engine_step": engine.step_count,
+        "format": FORMAT,
+        "step": int(step),
+        "engine_step": engine.step_count,
         "engine_skipped_steps": engine.skipped_steps,  # non-finite steps skipped so far (not in step_count)
-        "layout": {"world": L.world, "pp": L.pp, "dp": L.dp, "ep": L.ep, "stage": engine.stage,
-                   "offload": engine.offload, "mixed_precision": engine.mixed_precision},
+        "layout": {
+            "world": L.world,
+            "pp": L.pp,
+            "dp": L.dp,
+            "ep": L.ep,
+            "stage": engine.stage,
+            "offload": engine.offload,
+            "mixed_precision": engine.mixed_precision,
+        },
         "optimizer": type(engine.optimizer).__name__,
         "torch": torch.__version__,
         "extra": extra or {},
@@ -610,9 +661,20 @@ class Stager:
         return out
 
 
-def save(engine, path: str | os.PathLike, *, step: int | None = None, extra: dict | None = None,
-         files: dict[str, str | bytes] | None = None, group=None, rng: bool = True, async_save: bool = False,
-         stager: Stager | None = None, executor: concurrent.futures.Executor | None = None, after=None):
+def save(
+    engine,
+    path: str | os.PathLike,
+    *,
+    step: int | None = None,
+    extra: dict | None = None,
+    files: dict[str, str | bytes] | None = None,
+    group=None,
+    rng: bool = True,
+    async_save: bool = False,
+    stager: Stager | None = None,
+    executor: concurrent.futures.Executor | None = None,
+    after=None,
+):
     """Save ``engine``'s state into the directory ``path`` (see the module docstring), complete
     with its manifest. A collective over ``group`` (default: every rank). Returns None once the
     checkpoint is complete on disk, or with ``async_save`` a future that completes then. An async save copies the state (``stager``, reused from save to save when given) and
@@ -625,8 +687,16 @@ def save(engine, path: str | os.PathLike, *, step: int | None = None, extra: dic
     rank = _rank(group)
     step = engine.step_count if step is None else step
     tensors, chunks, _ = _entries(engine, rank, rng)
-    job = functools.partial(_write, chunks=chunks, path=path, meta=_meta(engine, step, extra), files=files, group=group,
-                            rank=rank, after=after)
+    job = functools.partial(
+        _write,
+        chunks=chunks,
+        path=path,
+        meta=_meta(engine, step, extra),
+        files=files,
+        group=group,
+        rank=rank,
+        after=after,
+    )
     if not async_save:
         job(tensors)
         return None
@@ -649,8 +719,14 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def _write(tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, after) -> None:
-    problem = next((f"refusing to save {path}: parameter {k[len(PARAM):]} holds non-finite values on rank {rank}"
-                    for k in chunks if k.startswith(PARAM) and not _finite(tensors[k])), None)
+    problem = next(
+        (
+            f"refusing to save {path}: parameter {k[len(PARAM) :]} holds non-finite values on rank {rank}"
+            for k in chunks
+            if k.startswith(PARAM) and not _finite(tensors[k])
+        ),
+        None,
+    )
     known = {}  # size and checksum of each file, for the manifest
     if rank == 0 and problem is None:
         try:
@@ -667,8 +743,13 @@ def _write(tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, 
     # every rank raises if any cannot save; otherwise the directory is fresh before anyone writes
     _agree(problem, group, "another rank cannot save (see its error)")
     writer = _Writer(path, sync_files=True)
-    dcp.save(tensors, storage_writer=writer, planner=_ChunkSavePlanner(chunks), process_group=group,
-             no_dist=not _distributed(group))
+    dcp.save(
+        tensors,
+        storage_writer=writer,
+        planner=_ChunkSavePlanner(chunks),
+        process_group=group,
+        no_dist=not _distributed(group),
+    )
     # DCP's save returns once every rank has written and fsynced its file and rank 0 the metadata
     sums = [writer.sums]
     if _distributed(group):
@@ -697,7 +778,9 @@ def finish(path: str | os.PathLike) -> None:
 def read_meta(path: str | os.PathLike) -> dict:
     meta = json.loads((Path(path) / META).read_text())
     if meta.get("format") not in _READS:
-        raise ValueError(f"checkpoint {path} has format {meta.get('format')!r}; this version reads formats {list(_READS)}")
+        raise ValueError(
+            f"checkpoint {path} has format {meta.get('format')!r}; this version reads formats {list(_READS)}"
+        )
     return meta
 
 
@@ -735,8 +818,13 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
         tensors.update(rng_now)
     problem = _check_against(tensors, chunks, saved, meta, path)
     _agree(problem, group)
-    dcp.load(tensors, storage_reader=reader, planner=_ChunkLoadPlanner(chunks), process_group=group,
-             no_dist=not _distributed(group))
+    dcp.load(
+        tensors,
+        storage_reader=reader,
+        planner=_ChunkLoadPlanner(chunks),
+        process_group=group,
+        no_dist=not _distributed(group),
+    )
 
     problem = None
     for f in engine.flats:  # shapes, not only sizes, must agree
@@ -770,10 +858,14 @@ def _check_against(tensors, chunks, saved, meta, path) -> str | None:
     if missing:
         opt = [k for k in missing if k.startswith(OPTIM)]
         if opt:
-            return (f"checkpoint {path} (optimizer {meta['optimizer']}) has no optimizer state {opt[0]!r}"
-                    f"{f' (and {len(opt) - 1} more)' if len(opt) > 1 else ''}: resume with the optimizer it was saved with")
-        return (f"checkpoint {path} has no {missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: "
-                f"it was saved from another model")
+            return (
+                f"checkpoint {path} (optimizer {meta['optimizer']}) has no optimizer state {opt[0]!r}"
+                f"{f' (and {len(opt) - 1} more)' if len(opt) > 1 else ''}: resume with the optimizer it was saved with"
+            )
+        return (
+            f"checkpoint {path} has no {missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: "
+            f"it was saved from another model"
+        )
     for k, t in tensors.items():
         md = saved[k]
         if not isinstance(md, dcp_md.TensorStorageMetadata):
@@ -809,11 +901,21 @@ class Checkpointer:
     thread, and the manifest follows when every rank has written. A new save, ``latest`` and
     ``load`` first wait for the previous save. Construct on every rank (it creates a gloo group)."""
 
-    def __init__(self, engine, root: str | os.PathLike, *, keep_last: int = 2, async_save: bool = False,
-                 rng: bool = True, group="new"):
+    def __init__(
+        self,
+        engine,
+        root: str | os.PathLike,
+        *,
+        keep_last: int = 2,
+        async_save: bool = False,
+        rng: bool = True,
+        group="new",
+    ):
         if not isinstance(keep_last, int) or keep_last < 2:
-            raise ValueError(f"keep_last={keep_last!r} must be an integer >= 2: the newest checkpoint is only "
-                             f"complete once written, so one older complete checkpoint must survive meanwhile")
+            raise ValueError(
+                f"keep_last={keep_last!r} must be an integer >= 2: the newest checkpoint is only "
+                f"complete once written, so one older complete checkpoint must survive meanwhile"
+            )
         self.engine = engine
         self.root = Path(root)
         self.keep_last = keep_last
@@ -823,15 +925,27 @@ class Checkpointer:
         self.rank = _rank(self.group)
         self._pending = None  # (future, path) of an async save
         self._stager = Stager() if async_save else None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if async_save else None
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if async_save else None
+        )
         self.last_saved: Path | None = None
 
     def save(self, step: int, extra: dict | None = None, files: dict | None = None) -> Path:
         self.wait()
         path = step_dir(self.root, step)
-        fut = save(self.engine, path, step=step, extra=extra, files=files, group=self.group, rng=self.rng,
-                   async_save=self.async_save, stager=self._stager, executor=self._executor,
-                   after=functools.partial(prune, self.root, self.keep_last))
+        fut = save(
+            self.engine,
+            path,
+            step=step,
+            extra=extra,
+            files=files,
+            group=self.group,
+            rng=self.rng,
+            async_save=self.async_save,
+            stager=self._stager,
+            executor=self._executor,
+            after=functools.partial(prune, self.root, self.keep_last),
+        )
         if fut is None:
             self.last_saved = path
         else:
@@ -856,8 +970,9 @@ class Checkpointer:
         found = [str(p) for _, p in list_checkpoints(root)] if self.rank == 0 else None
         if _distributed(self.group):  # rank 0's listing, so every rank walks the same candidates
             box = [found]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
-                                       group=self.group)
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group
+            )
             found = box[0]
         for path in map(Path, found):
             if check:

@@ -88,6 +88,7 @@ Not supported: a block whose forward runs more than once per backward (weight sh
 block list across iterations of a loop); several backward passes per micro-batch outside
 ``no_sync()``; sparse gradients.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -114,15 +115,26 @@ _MAX_GATHERED = 2
 # stages 1-3, cuts through them, so the whole-tensor quantity they need is not there
 _WHOLE_TENSOR = {
     "Adafactor": "keeps factored second moments (one statistic per row and per column of each matrix) and scales "
-                 "each update by its parameter's RMS, which need the parameter's whole 2-D tensor",
+    "each update by its parameter's RMS, which need the parameter's whole 2-D tensor",
     "Muon": "orthogonalises each matrix's update (Newton-Schulz iterations over the parameter's 2-D shape)",
     "LBFGS": "keeps a history of whole flattened parameter vectors and re-evaluates a closure for its line search",
     "SparseAdam": "needs sparse gradients, and ZeRO reduces dense flat gradient buffers",
 }
 # optimizers known to update each element from its own parameter, gradient and state alone
-_ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
-                torch.optim.ASGD, routing_kernels.FusedAdamW}
+_ELEMENTWISE = {
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+    routing_kernels.FusedAdamW,
+}
 
 
 def check_elementwise(opt) -> None:
@@ -136,17 +148,23 @@ def check_elementwise(opt) -> None:
     # the exact class: a subclass may change the update (it declares ``elementwise = True`` if not)
     if flag is None and why is None and type(opt) in _ELEMENTWISE:
         return
-    shard = ("ZeroEngine gives the optimizer 1-D shard tensors (slices of flat buffers that hold several parameters "
-             "end to end and, under stages 1-3, cut through them; under stage 0 too)")
+    shard = (
+        "ZeroEngine gives the optimizer 1-D shard tensors (slices of flat buffers that hold several parameters "
+        "end to end and, under stages 1-3, cut through them; under stage 0 too)"
+    )
     if why is not None:
-        raise ValueError(f"optimizer {name} cannot run under ZeroEngine: it {why}; {shard}, so it would compute "
-                         f"something else than unsharded. Use an elementwise optimizer (AdamW, Adam, SGD, ...).")
+        raise ValueError(
+            f"optimizer {name} cannot run under ZeroEngine: it {why}; {shard}, so it would compute "
+            f"something else than unsharded. Use an elementwise optimizer (AdamW, Adam, SGD, ...)."
+        )
     if flag is False:
         raise ValueError(f"optimizer {name} says elementwise = False: its update needs whole tensors, and {shard}")
-    raise ValueError(f"optimizer {name} is not known to be elementwise: {shard}, which is exact only for an optimizer "
-                     f"whose update of each element reads just that element's parameter, gradient and state (and "
-                     f"per-group scalars such as lr or the step count); per-tensor norms (LAMB, LARS) or matrix "
-                     f"shapes are not. If {name} is elementwise, set the class attribute {name}.elementwise = True")
+    raise ValueError(
+        f"optimizer {name} is not known to be elementwise: {shard}, which is exact only for an optimizer "
+        f"whose update of each element reads just that element's parameter, gradient and state (and "
+        f"per-group scalars such as lr or the step count); per-tensor norms (LAMB, LARS) or matrix "
+        f"shapes are not. If {name} is elementwise, set the class attribute {name}.elementwise = True"
+    )
 
 
 def _resolve_param_groups(param_groups, named) -> tuple[dict, list[dict]]:
@@ -159,15 +177,19 @@ def _resolve_param_groups(param_groups, named) -> tuple[dict, list[dict]]:
             opts = param_groups(n, p)
             opts = {} if opts is None else opts
             if not isinstance(opts, dict) or "params" in opts:
-                raise ValueError(f"param_groups({n!r}, ...) returned {opts!r}; it must return a dict of group options "
-                                 f"(e.g. {{'weight_decay': 0.0}}) without 'params'")
+                raise ValueError(
+                    f"param_groups({n!r}, ...) returned {opts!r}; it must return a dict of group options "
+                    f"(e.g. {{'weight_decay': 0.0}}) without 'params'"
+                )
             if opts not in options:
                 options.append(opts)
             group_of[p] = options.index(opts)
         return group_of, [dict(o) for o in options]
     if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)):
-        raise ValueError(f"param_groups must be a list of dicts (torch's form) or a function (name, param) -> options, "
-                         f"got {type(param_groups).__name__}")
+        raise ValueError(
+            f"param_groups must be a list of dicts (torch's form) or a function (name, param) -> options, "
+            f"got {type(param_groups).__name__}"
+        )
     name_of = {id(p): n for n, p in named}  # the trainable parameters
     model_params = {}  # id -> the group that lists it
     for gi, g in enumerate(param_groups):
@@ -176,14 +198,20 @@ def _resolve_param_groups(param_groups, named) -> tuple[dict, list[dict]]:
         params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
         for p in params:
             if not isinstance(p, torch.Tensor):
-                raise ValueError(f"param_groups[{gi}]['params'] holds a {type(p).__name__}; it must hold the model's parameters")
+                raise ValueError(
+                    f"param_groups[{gi}]['params'] holds a {type(p).__name__}; it must hold the model's parameters"
+                )
             if id(p) in model_params:
-                raise ValueError(f"parameter {name_of.get(id(p), '?')} is in param_groups[{model_params[id(p)]}] and "
-                                 f"param_groups[{gi}]; each parameter belongs to exactly one group")
+                raise ValueError(
+                    f"parameter {name_of.get(id(p), '?')} is in param_groups[{model_params[id(p)]}] and "
+                    f"param_groups[{gi}]; each parameter belongs to exactly one group"
+                )
             model_params[id(p)] = gi
             if id(p) not in name_of and p.requires_grad:
-                raise ValueError(f"param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a trainable "
-                                 f"parameter of the model")
+                raise ValueError(
+                    f"param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a trainable "
+                    f"parameter of the model"
+                )
         options.append({k: v for k, v in g.items() if k != "params"})
     for n, p in named:
         if id(p) not in model_params:
@@ -196,8 +224,10 @@ def _check_optimizer(opt, given: list[list[int]]) -> None:
     """The factory's optimizer must be an elementwise torch optimizer over exactly the groups it was
     given (``given``: the ids of each group's shard tensors)."""
     if not isinstance(opt, torch.optim.Optimizer):
-        raise ValueError(f"the optimizer factory returned {type(opt).__name__}; it must return a torch.optim.Optimizer "
-                         f"built over the param groups it is given")
+        raise ValueError(
+            f"the optimizer factory returned {type(opt).__name__}; it must return a torch.optim.Optimizer "
+            f"built over the param groups it is given"
+        )
     check_elementwise(opt)
     got = [[id(t) for t in g["params"]] for g in opt.param_groups]
     if got == given:
@@ -205,12 +235,16 @@ def _check_optimizer(opt, given: list[list[int]]) -> None:
     shard_ids = {i for g in given for i in g}
     held = [i for g in got for i in g]
     if held and not shard_ids & set(held):
-        raise ValueError(f"the optimizer from the factory holds {len(held)} tensors and none of the shard tensors it "
-                         f"was given: build it over the factory's argument (lambda groups: "
-                         f"torch.optim.AdamW(groups, ...)), not over model.parameters()")
-    raise ValueError(f"the optimizer from the factory must keep the {len(given)} param groups it is given, in order and "
-                     f"unchanged (sizes {[len(g) for g in given]}); it has {len(got)} groups of sizes "
-                     f"{[len(g) for g in got]}")
+        raise ValueError(
+            f"the optimizer from the factory holds {len(held)} tensors and none of the shard tensors it "
+            f"was given: build it over the factory's argument (lambda groups: "
+            f"torch.optim.AdamW(groups, ...)), not over model.parameters()"
+        )
+    raise ValueError(
+        f"the optimizer from the factory must keep the {len(given)} param groups it is given, in order and "
+        f"unchanged (sizes {[len(g) for g in given]}); it has {len(got)} groups of sizes "
+        f"{[len(g) for g in got]}"
+    )
 
 
 class _Unit:
@@ -290,12 +324,27 @@ class ZeroEngine:
     and the model is left untouched.
     """
 
-    def __init__(self, model: nn.Module, layout: Layout | None = None, *, stage: int = 0, optimizer=None,
-                 param_groups=None, lr: float | None = None, betas: tuple[float, float] | None = None,
-                 eps: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None,
-                 offload: bool = False, mixed_precision: str = "fp32", blocks: list[nn.Module] | None = None,
-                 keep_gathered_across_microbatches: bool = False, prefetch: bool = True,
-                 sync_module_states: bool = True, entries: list[nn.Module] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout | None = None,
+        *,
+        stage: int = 0,
+        optimizer=None,
+        param_groups=None,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        max_grad_norm: float | None = None,
+        offload: bool = False,
+        mixed_precision: str = "fp32",
+        blocks: list[nn.Module] | None = None,
+        keep_gathered_across_microbatches: bool = False,
+        prefetch: bool = True,
+        sync_module_states: bool = True,
+        entries: list[nn.Module] | None = None,
+    ):
         # every check happens before the first collective, so a bad value stops each rank alike
         if not isinstance(model, nn.Module):
             raise ValueError(f"model={type(model).__name__} must be a torch.nn.Module")
@@ -303,17 +352,25 @@ class ZeroEngine:
             raise ValueError(f"stage={stage!r} must be one of 0, 1, 2, 3")
         if mixed_precision not in _DTYPES:
             raise ValueError(f"mixed_precision={mixed_precision!r} must be one of {tuple(_DTYPES)}")
-        adamw_kw = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items() if v is not None}
+        adamw_kw = {
+            k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items() if v is not None
+        }
         if optimizer is not None:
             if isinstance(optimizer, torch.optim.Optimizer):
-                raise ValueError(f"optimizer={type(optimizer).__name__}(...) is an optimizer; pass a factory instead, "
-                                 f"e.g. optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4): the engine "
-                                 f"builds it over its shard tensors, not over the model's parameters")
+                raise ValueError(
+                    f"optimizer={type(optimizer).__name__}(...) is an optimizer; pass a factory instead, "
+                    f"e.g. optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4): the engine "
+                    f"builds it over its shard tensors, not over the model's parameters"
+                )
             if not callable(optimizer):
-                raise ValueError(f"optimizer={optimizer!r} must be a callable mapping param groups to a torch.optim.Optimizer")
+                raise ValueError(
+                    f"optimizer={optimizer!r} must be a callable mapping param groups to a torch.optim.Optimizer"
+                )
             if adamw_kw:
-                raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in adamw_kw.items())} configure the default "
-                                 f"optimizer only; with optimizer=... give them to the factory")
+                raise ValueError(
+                    f"{', '.join(f'{k}={v!r}' for k, v in adamw_kw.items())} configure the default "
+                    f"optimizer only; with optimizer=... give them to the factory"
+                )
         lr, betas = adamw_kw.get("lr", 1e-3), adamw_kw.get("betas", (0.9, 0.999))
         eps, weight_decay = adamw_kw.get("eps", 1e-8), adamw_kw.get("weight_decay", 0.0)
         if not (isinstance(lr, (int, float)) and lr >= 0):
@@ -325,7 +382,9 @@ class ZeroEngine:
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
         if optimizer is None:
-            kw = dict(lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps), weight_decay=float(weight_decay))
+            kw = dict(
+                lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps), weight_decay=float(weight_decay)
+            )
             optimizer = lambda groups: routing_kernels.FusedAdamW(groups, **kw)  # noqa: E731
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
@@ -335,13 +394,17 @@ class ZeroEngine:
             raise ValueError(f"keep_gathered_across_microbatches=True only applies to stage 3, got stage={stage}")
         entries = [model] if entries is None else list(entries)
         if not entries or not all(isinstance(e, nn.Module) for e in entries):
-            raise ValueError(f"entries={entries!r} must be a non-empty list of modules whose forward starts a forward pass")
+            raise ValueError(
+                f"entries={entries!r} must be a non-empty list of modules whose forward starts a forward pass"
+            )
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameter that requires a gradient")
         devices = {p.device for _, p in named}
         if len(devices) != 1:
-            raise ValueError(f"the model's parameters lie on several devices {sorted(map(str, devices))}; move it to one first")
+            raise ValueError(
+                f"the model's parameters lie on several devices {sorted(map(str, devices))}; move it to one first"
+            )
         for n, p in named:
             if not p.is_floating_point():
                 raise ValueError(f"parameter {n} has dtype {p.dtype}; only floating-point parameters can be trained")
@@ -356,15 +419,19 @@ class ZeroEngine:
         for b in blocks:
             for sub in b.modules():
                 if sub is not b and sub in block_set:
-                    raise ValueError(f"block {module_names[sub]!r} lies inside block {module_names[b]!r}; blocks must not nest")
+                    raise ValueError(
+                        f"block {module_names[sub]!r} lies inside block {module_names[b]!r}; blocks must not nest"
+                    )
 
         group_of, group_options = _resolve_param_groups(param_groups, named)  # param -> group index; options
         ep = 1 if layout is None else layout.ep
         for n, p in named:
             mark = expert_shard(p)
             if mark is not None and p.shape[0] * ep != mark.num_experts:
-                raise ValueError(f"{n} holds {p.shape[0]} of {mark.num_experts} experts but the layout has ep={ep}; "
-                                 f"build the MoE layers with the layout's ep_group")
+                raise ValueError(
+                    f"{n} holds {p.shape[0]} of {mark.num_experts} experts but the layout has ep={ep}; "
+                    f"build the MoE layers with the layout's ep_group"
+                )
         self.module = model
         self.layout = layout if layout is not None else Layout.single()
         self.stage = stage
@@ -406,8 +473,16 @@ class ZeroEngine:
                     continue
                 # grouped by param group: any shard of the flat is then one contiguous range per group
                 chosen.sort(key=lambda np_: group_of[np_[1]])
-                f = FlatGroup([n for n, _ in chosen], [p for _, p in chosen], kind, group, stage=stage,
-                              compute_dtype=self.compute_dtype, opt_device=self.opt_device, offload=offload)
+                f = FlatGroup(
+                    [n for n, _ in chosen],
+                    [p for _, p in chosen],
+                    kind,
+                    group,
+                    stage=stage,
+                    compute_dtype=self.compute_dtype,
+                    opt_device=self.opt_device,
+                    offload=offload,
+                )
                 f.allocate()  # no values and no communication yet: the optimizer is checked first
                 bounds, off = [], 0
                 for gi in sorted({group_of[p] for _, p in chosen}):
@@ -425,16 +500,20 @@ class ZeroEngine:
         self.param_group_names = [[n for n, p in named if group_of[p] == gi] for gi in range(len(group_options))]
 
         # ----- the optimizer over the shard tensors, checked before the first collective
-        groups = [dict(options, params=[t for f in self.flats for g, _, _, t in f.shards if g == gi])
-                  for gi, options in enumerate(group_options)]
+        groups = [
+            dict(options, params=[t for f in self.flats for g, _, _, t in f.shards if g == gi])
+            for gi, options in enumerate(group_options)
+        ]
         expected = [[id(t) for t in g["params"]] for g in groups]
         try:
             self.optimizer = optimizer(groups)
         except Exception as e:  # e.g. Muon refuses 1-D tensors itself
-            raise ValueError(f"the optimizer factory failed on the engine's param groups, whose tensors are 1-D fp32 "
-                             f"shards of flat buffers ({type(e).__name__}: {e}); an optimizer that needs whole "
-                             f"parameter tensors (Muon's orthogonalised updates, Adafactor's factored moments) "
-                             f"cannot run under ZeroEngine") from e
+            raise ValueError(
+                f"the optimizer factory failed on the engine's param groups, whose tensors are 1-D fp32 "
+                f"shards of flat buffers ({type(e).__name__}: {e}); an optimizer that needs whole "
+                f"parameter tensors (Muon's orthogonalised updates, Adafactor's factored moments) "
+                f"cannot run under ZeroEngine"
+            ) from e
         _check_optimizer(self.optimizer, expected)
         self._fused_step = bool(getattr(self.optimizer, "fuses_scale_and_copy", False))
 
@@ -464,8 +543,10 @@ class ZeroEngine:
         self._reduced = False  # reduced gradients wait for step()
         self._hooks = []
         for e in entries:
-            self._hooks += [e.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
-                            e.register_forward_hook(self._root_post_forward)]
+            self._hooks += [
+                e.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
+                e.register_forward_hook(self._root_post_forward),
+            ]
         for u in self.units:
             if not u.is_root:
                 self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
@@ -503,7 +584,9 @@ class ZeroEngine:
         autograd, into the engine's buffers (torch's pipelining does this in the weight-gradient
         pass of its zero-bubble schedules). Call it inside ``no_sync()``."""
         if self._sync:
-            raise RuntimeError("accumulate_param_grads() runs inside no_sync(): reduce with start_reduction() or step()")
+            raise RuntimeError(
+                "accumulate_param_grads() runs inside no_sync(): reduce with start_reduction() or step()"
+            )
         for p in params:
             if p.grad is None or p not in self._where:
                 continue
@@ -552,8 +635,10 @@ class ZeroEngine:
         ``engine.optimizer.param_groups`` then)."""
         lrs = {g["lr"] for g in self.optimizer.param_groups}
         if len(lrs) != 1:
-            raise AttributeError(f"the optimizer's groups have different learning rates {sorted(lrs)}; "
-                                 f"read them from engine.optimizer.param_groups")
+            raise AttributeError(
+                f"the optimizer's groups have different learning rates {sorted(lrs)}; "
+                f"read them from engine.optimizer.param_groups"
+            )
         return next(iter(lrs))
 
     @lr.setter
@@ -571,10 +656,18 @@ class ZeroEngine:
         caller's quantity is finite, e.g. ``torch.isfinite(loss)``; the same shape on every rank),
         is not finite, nothing is updated and the gradients are dropped. ``extra_finite`` travels in
         the norm's all-reduce. ``skip_if_nonfinite=False`` steps anyway (the old behaviour)."""
-        if extra_finite is not None and not (isinstance(extra_finite, torch.Tensor) and extra_finite.dtype == torch.bool):
-            got = f"a tensor of dtype {extra_finite.dtype}" if isinstance(extra_finite, torch.Tensor) else type(extra_finite).__name__
-            raise ValueError(f"extra_finite must be a bool tensor (True where the quantity is finite, e.g. "
-                             f"torch.isfinite(loss)), got {got}")
+        if extra_finite is not None and not (
+            isinstance(extra_finite, torch.Tensor) and extra_finite.dtype == torch.bool
+        ):
+            got = (
+                f"a tensor of dtype {extra_finite.dtype}"
+                if isinstance(extra_finite, torch.Tensor)
+                else type(extra_finite).__name__
+            )
+            raise ValueError(
+                f"extra_finite must be a bool tensor (True where the quantity is finite, e.g. "
+                f"torch.isfinite(loss)), got {got}"
+            )
         if self._backward_open:
             self._finish_backward()
         if self._unreduced:  # every backward of this step ran under no_sync: reduce now
@@ -650,18 +743,34 @@ class ZeroEngine:
         ``index`` (it is ``engine.optimizer.param_groups[g]["params"][j]`` for ``index == (g, j)``,
         its state ``engine.optimizer.state[that tensor]``), its ``flat_range`` and the parameter
         slices it holds (``shard_range`` counted from the tensor's start)."""
-        position = {id(t): (g, j) for g, group in enumerate(self.optimizer.param_groups) for j, t in enumerate(group["params"])}
+        position = {
+            id(t): (g, j) for g, group in enumerate(self.optimizer.param_groups) for j, t in enumerate(group["params"])
+        }
         out = []
         for u in self.units:
             for f in u.flats:
                 lo, hi = f.opt_range
-                out.append({
-                    "unit": u.name, "kind": f.kind, "group_size": f.world, "group_rank": f.rank,
-                    "flat_numel": f.numel, "flat_padded": f.padded, "flat_range": (lo, hi),
-                    "params": f.metadata(),
-                    "shard_tensors": [{"param_group": g, "index": position[id(t)], "flat_range": (a, b),
-                                       "params": f.metadata(a, b)} for g, a, b, t in f.shards],
-                })
+                out.append(
+                    {
+                        "unit": u.name,
+                        "kind": f.kind,
+                        "group_size": f.world,
+                        "group_rank": f.rank,
+                        "flat_numel": f.numel,
+                        "flat_padded": f.padded,
+                        "flat_range": (lo, hi),
+                        "params": f.metadata(),
+                        "shard_tensors": [
+                            {
+                                "param_group": g,
+                                "index": position[id(t)],
+                                "flat_range": (a, b),
+                                "params": f.metadata(a, b),
+                            }
+                            for g, a, b, t in f.shards
+                        ],
+                    }
+                )
         return out
 
     @torch.no_grad()
@@ -738,6 +847,7 @@ class ZeroEngine:
                 self._gather(unit)
                 if not in_backward():
                     self._prefetch(self._neighbour(unit, +1))
+
         return hook
 
     def _make_post_forward(self, unit: _Unit):
@@ -749,6 +859,7 @@ class ZeroEngine:
             # before the block's backward: such a block stays gathered until the backward ends
             if self.stage == 3 and not self.keep_gathered and (hooked or not torch.is_grad_enabled()):
                 self._free_unit(unit)
+
         return hook
 
     def _register_pre_backward(self, unit: _Unit, output) -> bool:
@@ -777,8 +888,13 @@ class ZeroEngine:
 
     # ----- stage 3 gathering --------------------------------------------------------------------
     def _count_gathered(self) -> int:
-        return sum(1 for u in self.units if not u.is_root and u.has_sharded_params() and
-                   any(f.is_gathered() or f.gather_handle is not None for f in u.flats if f.sharded_params))
+        return sum(
+            1
+            for u in self.units
+            if not u.is_root
+            and u.has_sharded_params()
+            and any(f.is_gathered() or f.gather_handle is not None for f in u.flats if f.sharded_params)
+        )
 
     def _note_gathered(self) -> None:
         self.gather_stats["max_gathered_blocks"] = max(self.gather_stats["max_gathered_blocks"], self._count_gathered())
@@ -816,8 +932,10 @@ class ZeroEngine:
     def _open_backward(self) -> None:
         if not self._backward_open:
             if self._sync and self._reduced:
-                raise RuntimeError("a second backward outside no_sync() before step(): gradients were already "
-                                   "reduced; run every micro-batch but the last inside engine.no_sync()")
+                raise RuntimeError(
+                    "a second backward outside no_sync() before step(): gradients were already "
+                    "reduced; run every micro-batch but the last inside engine.no_sync()"
+                )
             self._backward_open = True
             self._bwd_queue = list(dict.fromkeys(reversed(self._fwd_order)))  # a unit run twice reduces once
             self._bwd_queue += [u for u in self.units if u not in self._bwd_queue]
@@ -907,4 +1025,3 @@ class ZeroEngine:
             dist.all_reduce(sq, group=L.pp_group)
         values = sq.tolist()  # the step's one host sync
         return math.sqrt(values[0]) / L.dp, [int(v) for v in values[1:]]
-

@@ -18,6 +18,7 @@ Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
   ``torch.optim.Optimizer``, see ``ZeroEngine``) holds 1-D views of it, one per param group's range,
   and keeps its own state (Adam's moments, SGD's momentum) for them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ an expert-data-parallel (edp) group of size dp/ep. Global rank = pp_rank * dp + 
 A group of one process is ``None`` (the single-process path), never a module global: pass the layout
 (or its groups) to whoever needs them.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,7 +36,9 @@ def validate_layout(world: int, pp: int = 1, ep: int = 1, num_experts: int | Non
     if dp % ep:
         raise ValueError(f"ep={ep} does not divide dp={dp} (world size {world} / pp={pp}); valid ep values divide {dp}")
     if num_experts is not None and num_experts % ep:
-        raise ValueError(f"ep={ep} does not divide num_experts={num_experts}; each rank must hold the same number of experts")
+        raise ValueError(
+            f"ep={ep} does not divide num_experts={num_experts}; each rank must hold the same number of experts"
+        )
     return dp
 
 
@@ -76,11 +79,13 @@ class Layout:
         return self.world == 1
 
     @classmethod
-    def single(cls) -> "Layout":
+    def single(cls) -> Layout:
         return cls()
 
     @classmethod
-    def build(cls, *, ep: int = 1, pp: int = 1, num_experts: int | None = None, timeout_s: float | None = None) -> "Layout":
+    def build(
+        cls, *, ep: int = 1, pp: int = 1, num_experts: int | None = None, timeout_s: float | None = None
+    ) -> Layout:
         """Create every group from the initialised default process group (all ranks must call).
 
         Each group's collectives fail after ``timeout_s`` seconds (default: the collective timeout
@@ -162,8 +167,9 @@ def _first_host(nodelist: str) -> str:
     replaced by its first number, zero padding kept)."""
     if shutil.which("scontrol"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout.split()
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+            ).stdout.split()
             if out:
                 return out[0]
         except (OSError, subprocess.SubprocessError):
@@ -214,10 +220,20 @@ def slurm_environment(env=None) -> dict[str, str] | None:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         addr = _first_host(nodelist) if nodelist else env.get("SLURM_LAUNCH_NODE_IPADDR")
     if not addr:
-        raise ValueError("cannot tell the address of rank 0: none of MASTER_ADDR, SLURM_STEP_NODELIST, "
-                         "SLURM_JOB_NODELIST or SLURM_LAUNCH_NODE_IPADDR is set; export MASTER_ADDR")
-    port = env.get("MASTER_PORT") or str(SLURM_PORT_BASE + _env_int(env, "SLURM_JOB_ID", "SLURM_JOBID") % SLURM_PORT_SPAN)
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "MASTER_ADDR": addr, "MASTER_PORT": port}
+        raise ValueError(
+            "cannot tell the address of rank 0: none of MASTER_ADDR, SLURM_STEP_NODELIST, "
+            "SLURM_JOB_NODELIST or SLURM_LAUNCH_NODE_IPADDR is set; export MASTER_ADDR"
+        )
+    port = env.get("MASTER_PORT") or str(
+        SLURM_PORT_BASE + _env_int(env, "SLURM_JOB_ID", "SLURM_JOBID") % SLURM_PORT_SPAN
+    )
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
+    }
 
 
 def init_distributed(timeout_s: float = 300.0, backend: str | None = None, rendezvous_timeout_s: float = 900.0) -> bool:
@@ -232,9 +248,12 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None, rende
         if int(slurm["WORLD_SIZE"]) > 1:
             os.environ.update(slurm)
     elif "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS") or 1) > 1:
-        warnings.warn(f"SLURM_NTASKS={os.environ['SLURM_NTASKS']} but this process is not a task of an srun step (no "
-                      f"SLURM_STEP_ID: a batch script or an salloc shell): running as one process; start every task "
-                      f"with srun to train on all of them", stacklevel=2)
+        warnings.warn(
+            f"SLURM_NTASKS={os.environ['SLURM_NTASKS']} but this process is not a task of an srun step (no "
+            f"SLURM_STEP_ID: a batch script or an salloc shell): running as one process; start every task "
+            f"with srun to train on all of them",
+            stacklevel=2,
+        )
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
     if backend is None:
@@ -259,4 +278,6 @@ def check_same_on_all_ranks(text: str, what: str = "config", group=None) -> None
     rows = everyone.view(n, -1).cpu()
     differing = [r for r in range(n) if not torch.equal(rows[r], rows[0])]
     if differing:
-        raise RuntimeError(f"the {what} differs between ranks: ranks {differing} disagree with rank 0; launch every rank with the same arguments")
+        raise RuntimeError(
+            f"the {what} differs between ranks: ranks {differing} disagree with rank 0; launch every rank with the same arguments"
+        )

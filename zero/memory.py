@@ -13,6 +13,7 @@ parameter: a 7B model on 8 ranks costs 112 GB per rank at stage 0, 38.5 at 1, 26
     python -m zero.memory --params 7e9 --dp 8            # the table for stages 0-3
     python -m zero.memory --params 1e9 --expert-params 6e9 --dp 8 --ep 4 --stage 3 --offload
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,16 @@ def _totals(out: dict) -> dict:
     return out
 
 
-def predict_memory(params, *, dp: int = 1, ep: int = 1, stage: int = 0, mixed_precision: str = "bf16",
-                   offload: bool = False, layout: Layout | None = None):
+def predict_memory(
+    params,
+    *,
+    dp: int = 1,
+    ep: int = 1,
+    stage: int = 0,
+    mixed_precision: str = "bf16",
+    offload: bool = False,
+    layout: Layout | None = None,
+):
     """Per-rank bytes of weights, gradients and optimizer state, dense and expert separately.
 
     ``params``: a count of dense parameters, a dict ``{"dense": n, "expert": m}`` over the whole
@@ -56,8 +65,12 @@ def predict_memory(params, *, dp: int = 1, ep: int = 1, stage: int = 0, mixed_pr
     if isinstance(params, (list, tuple)):
         if not params:
             raise ValueError("params=[] is empty: give one count or dict per pipeline stage")
-        return [predict_memory(p, dp=dp, ep=ep, stage=stage, mixed_precision=mixed_precision, offload=offload,
-                               layout=layout) for p in params]
+        return [
+            predict_memory(
+                p, dp=dp, ep=ep, stage=stage, mixed_precision=mixed_precision, offload=offload, layout=layout
+            )
+            for p in params
+        ]
     if layout is not None:
         dp, ep = layout.dp, layout.ep
     if isinstance(params, nn.Module):
@@ -138,12 +151,16 @@ def format_table(rows: list[tuple[str, dict]], unit: float = 1e9, unit_name: str
         p = sum(m[k]["params"] for k in KINDS)
         g = sum(m[k]["grads"] for k in KINDS)
         o = sum(m[k]["optimizer"] for k in KINDS)
-        lines.append(f"| {label} | {p / unit:g} | {g / unit:g} | {o / unit:g} | {m['device_total'] / unit:g} | {m['host_total'] / unit:g} |")
+        lines.append(
+            f"| {label} | {p / unit:g} | {g / unit:g} | {o / unit:g} | {m['device_total'] / unit:g} | {m['host_total'] / unit:g} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m zero.memory", description="Per-rank model-state memory under ZeRO (GB = 1e9 bytes)")
+    ap = argparse.ArgumentParser(
+        prog="python -m zero.memory", description="Per-rank model-state memory under ZeRO (GB = 1e9 bytes)"
+    )
     ap.add_argument("--params", type=float, required=True, help="dense parameters of the whole model (e.g. 7e9)")
     ap.add_argument("--expert-params", type=float, default=0.0, help="expert parameters of the whole model")
     ap.add_argument("--dp", type=int, default=1)
@@ -151,18 +168,31 @@ def main(argv=None) -> None:
     ap.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--mixed-precision", default="bf16", choices=tuple(_BYTES))
     ap.add_argument("--offload", action="store_true")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages holding equal shares of the parameters (the "
-                    "busiest stage is what counts; world = pp x dp)")
+    ap.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages holding equal shares of the parameters (the "
+        "busiest stage is what counts; world = pp x dp)",
+    )
     a = ap.parse_args(argv)
     if a.pp < 1:
         ap.error(f"--pp={a.pp} must be >= 1")
     rows = []
     for s in a.stage:
-        m = predict_memory({"dense": a.params / a.pp, "expert": a.expert_params / a.pp}, dp=a.dp, ep=a.ep, stage=s,
-                           mixed_precision=a.mixed_precision, offload=a.offload)
+        m = predict_memory(
+            {"dense": a.params / a.pp, "expert": a.expert_params / a.pp},
+            dp=a.dp,
+            ep=a.ep,
+            stage=s,
+            mixed_precision=a.mixed_precision,
+            offload=a.offload,
+        )
         rows.append((str(s), m))
-    print(f"params={a.params:g} expert_params={a.expert_params:g} pp={a.pp} dp={a.dp} ep={a.ep} {a.mixed_precision}"
-          f"{' offload' if a.offload else ''}, Adam; per rank of a stage")
+    print(
+        f"params={a.params:g} expert_params={a.expert_params:g} pp={a.pp} dp={a.dp} ep={a.ep} {a.mixed_precision}"
+        f"{' offload' if a.offload else ''}, Adam; per rank of a stage"
+    )
     print(format_table(rows))
 
 

@@ -32,6 +32,7 @@ Loss scaling: the loss of each micro-batch is multiplied by ``loss_scale`` (the 
 are the global-batch mean exactly as under gradient accumulation without a pipeline; the losses
 ``step`` returns are the unscaled per-micro-batch values.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,12 +90,21 @@ class PipelinePlan:
         return next(r for r in range(self.pp) if stage in self.stages_of(r))
 
     def describe(self) -> str:
-        return (f"pp={self.pp} x {self.virtual} virtual, schedule {self.schedule}, {self.microbatches} micro-batches, "
-                f"layers per stage {[hi - lo for lo, hi in self.ranges]}")
+        return (
+            f"pp={self.pp} x {self.virtual} virtual, schedule {self.schedule}, {self.microbatches} micro-batches, "
+            f"layers per stage {[hi - lo for lo, hi in self.ranges]}"
+        )
 
 
-def plan_pipeline(num_layers: int, *, pp: int, pp_schedule: str = "1f1b", pp_microbatches: int = 1,
-                  pp_virtual_stages: int = 1, pp_layers: list[int] | None = None) -> PipelinePlan:
+def plan_pipeline(
+    num_layers: int,
+    *,
+    pp: int,
+    pp_schedule: str = "1f1b",
+    pp_microbatches: int = 1,
+    pp_virtual_stages: int = 1,
+    pp_layers: list[int] | None = None,
+) -> PipelinePlan:
     """Validate a pipeline configuration (before any collective) and cut ``num_layers`` layers
     into stages: ``pp_layers`` gives the layers of each of the ``pp * pp_virtual_stages`` stages in
     order (uneven allowed), default ``even_split``. Every error names the values and what is valid."""
@@ -105,23 +115,37 @@ def plan_pipeline(num_layers: int, *, pp: int, pp_schedule: str = "1f1b", pp_mic
         raise ValueError(f"pp_schedule={pp_schedule!r} is invalid: expected one of {sorted(SCHEDULES)}")
     style, v, m = SCHEDULES[pp_schedule][1], pp_virtual_stages, pp_microbatches
     if style == "single" and v != 1:
-        raise ValueError(f"pp_schedule={pp_schedule} runs one stage per rank, but pp_virtual_stages={v}: use "
-                         f"pp_virtual_stages=1, or an interleaved schedule (interleaved_1f1b, interleaved_zb, zbv, dualpipev)")
+        raise ValueError(
+            f"pp_schedule={pp_schedule} runs one stage per rank, but pp_virtual_stages={v}: use "
+            f"pp_virtual_stages=1, or an interleaved schedule (interleaved_1f1b, interleaved_zb, zbv, dualpipev)"
+        )
     if style == "loop" and v < 2:
-        raise ValueError(f"pp_schedule={pp_schedule} interleaves several stages per rank: pp_virtual_stages={v} must be >= 2")
+        raise ValueError(
+            f"pp_schedule={pp_schedule} interleaves several stages per rank: pp_virtual_stages={v} must be >= 2"
+        )
     if style == "v" and v != 2:
-        raise ValueError(f"pp_schedule={pp_schedule} is V-shaped, exactly two stages per rank: pp_virtual_stages={v} must be 2")
+        raise ValueError(
+            f"pp_schedule={pp_schedule} is V-shaped, exactly two stages per rank: pp_virtual_stages={v} must be 2"
+        )
     S = pp * v
     if pp_layers is None:
         if num_layers < S:
-            raise ValueError(f"{num_layers} pipeline layers (the embedding, each block and the head) cannot fill "
-                             f"pp={pp} x pp_virtual_stages={v} = {S} stages: each stage needs at least one layer")
+            raise ValueError(
+                f"{num_layers} pipeline layers (the embedding, each block and the head) cannot fill "
+                f"pp={pp} x pp_virtual_stages={v} = {S} stages: each stage needs at least one layer"
+            )
         sizes = even_split(num_layers, S)
     else:
         sizes = list(pp_layers)
-        if len(sizes) != S or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in sizes) or sum(sizes) != num_layers:
-            raise ValueError(f"pp_layers={sizes} is invalid: expected {S} positive integers (pp={pp} x pp_virtual_stages={v} "
-                             f"stages) summing to the {num_layers} pipeline layers (the embedding, each block, the head)")
+        if (
+            len(sizes) != S
+            or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in sizes)
+            or sum(sizes) != num_layers
+        ):
+            raise ValueError(
+                f"pp_layers={sizes} is invalid: expected {S} positive integers (pp={pp} x pp_virtual_stages={v} "
+                f"stages) summing to the {num_layers} pipeline layers (the embedding, each block, the head)"
+            )
     # what torch's schedules need of the micro-batch count, checked here to name the keys
     if pp_schedule == "1f1b" and m < pp:
         raise ValueError(f"pp_microbatches={m} is below what 1f1b needs: at least pp={pp} micro-batches")
@@ -130,8 +154,10 @@ def plan_pipeline(num_layers: int, *, pp: int, pp_schedule: str = "1f1b", pp_mic
     if style == "loop":
         rounds = max(1, m // pp)
         if m % rounds:
-            raise ValueError(f"pp_microbatches={m} does not suit {pp_schedule} with pp={pp}: it runs the micro-batches in "
-                             f"rounds of pp, so use at most pp or a multiple of pp micro-batches")
+            raise ValueError(
+                f"pp_microbatches={m} does not suit {pp_schedule} with pp={pp}: it runs the micro-batches in "
+                f"rounds of pp, so use at most pp or a multiple of pp micro-batches"
+            )
     ranges, lo = [], 0
     for k in sizes:
         ranges.append((lo, lo + k))
@@ -143,7 +169,7 @@ class _EngineStage(tpp.PipelineStage):
     """torch's ``PipelineStage`` whose backward passes accumulate into a ``ZeroEngine`` and tell
     the owning ``Pipeline`` when the schedule says a backward is this stage's last of the step."""
 
-    def __init__(self, pipeline: "Pipeline", *args, **kwargs):
+    def __init__(self, pipeline: Pipeline, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pipeline = pipeline
 
@@ -184,18 +210,29 @@ class Pipeline:
     plan's schedule, with gradients into ``engine`` (see the module docstring). ``loss_fn(output,
     target)`` is the per-micro-batch loss on the last stage (a mean over its tokens)."""
 
-    def __init__(self, chunks: list[nn.Module], plan: PipelinePlan, layout: Layout, engine: ZeroEngine, loss_fn,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        plan: PipelinePlan,
+        layout: Layout,
+        engine: ZeroEngine,
+        loss_fn,
+        device: torch.device | None = None,
+    ):
         if layout.pp != plan.pp:
             raise ValueError(f"the plan has pp={plan.pp} but the layout pp={layout.pp}")
         mine = plan.stages_of(layout.pp_rank)
         if len(chunks) != len(mine):
-            raise ValueError(f"pipeline rank {layout.pp_rank} runs stages {mine}: pass {len(mine)} chunk modules, got {len(chunks)}")
+            raise ValueError(
+                f"pipeline rank {layout.pp_rank} runs stages {mine}: pass {len(mine)} chunk modules, got {len(chunks)}"
+            )
         held = {id(p) for p in engine.module.parameters()}
         for c in chunks:
             if any(id(p) not in held for p in c.parameters()):
-                raise ValueError("every chunk's parameters must be held by the engine's module (build it with "
-                                 "keep_layers over this rank's stage ranges)")
+                raise ValueError(
+                    "every chunk's parameters must be held by the engine's module (build it with "
+                    "keep_layers over this rank's stage ranges)"
+                )
         self.plan, self.layout, self.engine, self.loss_fn = plan, layout, engine, loss_fn
         self.device = device if device is not None else engine.device
         self.stage_ids = mine
@@ -203,8 +240,9 @@ class Pipeline:
         self._reduce_after = True
         self._finished: set[int] = set()
         self._unscaled: dict[int, torch.Tensor] = {}  # id of a scaled loss -> the loss
-        self.stages = [_EngineStage(self, c, s, plan.num_stages, self.device, group=layout.pp_group)
-                       for c, s in zip(chunks, mine)]
+        self.stages = [
+            _EngineStage(self, c, s, plan.num_stages, self.device, group=layout.pp_group) for c, s in zip(chunks, mine)
+        ]
         cls = getattr(tpp, SCHEDULES[plan.schedule][0])
         arg = self.stages[0] if plan.style == "single" else self.stages
         self.schedule = cls(arg, n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=False)
