@@ -89,7 +89,7 @@ def _run(rank, world, port, args, out_q):
         opt.step()
 
     results["ddp"] = bench(ddp_step)
-    del ddp, model, opt
+    ddp = model = opt = None  # freed before the next contender (not del: the step closure names them)
 
     layout = Layout.build(ep=world, num_experts=cfg.num_experts)
     torch.manual_seed(0)

@@ -287,7 +287,7 @@ def gpu_main(args) -> None:
         flops = ideal_expert_flops(T, D, F, K)
         probe = _grouped_mm_probe(T, D, F, E, K, dtype, args.reps) if args.grouped_mm else ""
         rows.append((name, T, D, F, E, K, times, flops, probe))
-        del layer, dense, x, g
+        layer = dense = x = g = None  # freed (not del: the timed closures name them)
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     print()

@@ -128,7 +128,7 @@ def _run(rank, world, port, args, out_q):
     # contenders take turns step by step, so a burst of load from another process on a shared
     # machine slows every contender's samples alike instead of one contender's whole run
     contenders = {name: make(name) for name in names}
-    for name, (step, _) in contenders.items():
+    for step, _ in contenders.values():
         for _ in range(args.warmup):
             step()
     times = {name: [] for name in names}

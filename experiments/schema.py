@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -91,7 +91,7 @@ def _schema_from(
 # the model group's keys that are the trainer's, not the architecture's: (name, type, default)
 MODEL_TRAINER_FIELDS = (
     # a transformers Mixtral checkpoint directory whose weights the run starts from (moe.hf_mixtral)
-    ("init_from", Optional[str], None),
+    ("init_from", str | None, None),
 )
 # the model group: TransformerConfig without its `moe` field (the moe group is separate), plus
 # the trainer's own keys, which experiments.train.model_config takes out before building

@@ -136,12 +136,12 @@ class MetricsFile:
             return
         path = Path(path)
         if keep_until is not None and path.is_file():
-            lines = [l for l in path.read_text().splitlines() if l.strip()]
+            lines = [row for row in path.read_text().splitlines() if row.strip()]
             try:
                 json.loads(lines[-1]) if lines else None
             except json.JSONDecodeError:  # a row cut short by a kill: a step after the checkpoint
                 lines.pop()
-            kept = [l for l in lines if json.loads(l)["step"] <= keep_until]
+            kept = [row for row in lines if json.loads(row)["step"] <= keep_until]
             # the kept rows replace the file in one rename: truncating it in place and writing them
             # back would leave it empty (every earlier row lost) if this process were killed before
             # its first flush, and the next resume would keep nothing

@@ -404,7 +404,7 @@ def train(
         run_dir / "metrics.jsonl" if run_dir is not None and rank0 else None, keep_until=start if resumed else None
     )
     stats = MoEStatSums(
-        {l: layer_index[l] for l in model.moe_layers()},
+        {m: layer_index[m] for m in model.moe_layers()},
         len(all_layers),
         all_layers[0].cfg.num_experts if all_layers else 0,
         device,

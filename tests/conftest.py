@@ -1,5 +1,25 @@
+"""Fixtures every test folder shares, and the guard that keeps the ``distributed`` marker honest.
+
+``python -m pytest -m "not distributed"`` runs the single-process suite; a test that spawns ranks
+(``tests.support.dist.run_distributed``) or torchrun agents must carry ``@pytest.mark.distributed``
+(or a module-level ``pytestmark``), and one that does not fails at once, naming the marker.
+"""
+
+import os
+
 import pytest
 import torch
+
+from tests.support.dist import MARKED_ENV
+
+
+def pytest_runtest_setup(item):
+    # before the item's fixtures, module-scoped ones included (they may start ranks too)
+    os.environ[MARKED_ENV] = "1" if item.get_closest_marker("distributed") else "0"
+
+
+def pytest_runtest_teardown(item):
+    os.environ.pop(MARKED_ENV, None)
 
 
 @pytest.fixture
@@ -12,3 +32,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+    """The embedded stdlib corpus, cached under $SWITCHYARD_CACHE or ~/.cache/switchyard after the first read."""
+    from experiments.data import load_stdlib
+
+    return load_stdlib()

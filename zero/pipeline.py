@@ -269,7 +269,7 @@ class Pipeline:
         # infer the gradients' shapes; start_reduction() follows the last real one
         with self.engine.no_sync():
             run(*args, target=y if self.is_last else None, losses=losses if self.is_last else None)
-        out = [self._unscaled[id(l)] for l in losses]
+        out = [self._unscaled[id(loss)] for loss in losses]
         self._unscaled = {}
         return out
 

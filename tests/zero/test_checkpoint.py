@@ -17,8 +17,8 @@ import pickle
 import pytest
 import torch
 
-from tests import ckpt_cases as cc
-from tests.dist_utils import run_distributed
+from tests.support import ckpt_cases as cc
+from tests.support.dist import run_distributed
 from zero import Layout
 from zero import checkpoint as zc
 
@@ -70,6 +70,7 @@ def matrix(tmp_path_factory):
     return results, ck
 
 
+@pytest.mark.distributed
 def test_same_layout_resumes_bit_for_bit(matrix):
     results, _ = matrix
     for name in cc.LAYOUTS:
@@ -83,6 +84,7 @@ def test_same_layout_resumes_bit_for_bit(matrix):
             assert b["step_count"] == a["step_count"] == cc.STEPS
 
 
+@pytest.mark.distributed
 def test_every_layout_resumes_every_other(matrix):
     results, _ = matrix
     ref = results[("single", None)][0]
@@ -113,6 +115,7 @@ def test_every_layout_resumes_every_other(matrix):
     assert ref["losses"][-1] < ref["losses"][0]
 
 
+@pytest.mark.distributed
 def test_replicas_are_written_once(matrix):
     """Replicas (stage 0 on 2 ranks: everything) hand DCP the same chunks; each is stored once:
     every byte of the data files belongs to exactly one stored item, and each parameter's and
@@ -186,6 +189,7 @@ def test_damaged_checkpoint_is_named_and_the_older_one_used(tmp_path, damage):
     assert zc.load(fresh, old)["step"] == 2
 
 
+@pytest.mark.distributed
 def test_ranks_verify_a_share_each_and_agree_on_the_older_checkpoint(tmp_path):
     """Resume verification is split over the ranks (each re-reads about 1/n of the bytes), and a
     corrupt file only one rank reads makes every rank skip that checkpoint."""
@@ -378,6 +382,7 @@ def trainer_runs(tmp_path_factory):
     return root, single, single_resumed, two, ga2
 
 
+@pytest.mark.distributed
 def test_trainer_resumes_bit_for_bit(trainer_runs):
     root, single, resumed, _, _ = trainer_runs
     assert resumed["resumed_from_step"] == 3 and resumed["status"] == "completed"
@@ -385,7 +390,7 @@ def test_trainer_resumes_bit_for_bit(trainer_runs):
     assert resumed["val_history"] == single["val_history"]
     for name, w in single["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name
-    rows = lambda d: [json.loads(l) for l in (root / d / "metrics.jsonl").read_text().splitlines()]
+    rows = lambda d: [json.loads(line) for line in (root / d / "metrics.jsonl").read_text().splitlines()]
     got, want = rows("single_resumed"), rows("single")[3:]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in want
@@ -394,6 +399,7 @@ def test_trainer_resumes_bit_for_bit(trainer_runs):
     assert "expert_bias: true" in (zc.step_dir(root / "single" / "checkpoints", 3) / "config.yaml").read_text()
 
 
+@pytest.mark.distributed
 def test_sigterm_saves_on_every_rank_and_resumes_exactly(trainer_runs):
     root, _, _, two, _ = trainer_runs
     for rank, r in enumerate(two):
@@ -412,11 +418,12 @@ def test_sigterm_saves_on_every_rank_and_resumes_exactly(trainer_runs):
 
 
 def _assemble_ranks(per_rank: list[dict], ref: dict) -> dict:
-    from tests.test_train import assemble_weights
+    from tests.support.training import assemble_weights
 
     return assemble_weights(per_rank, ref)
 
 
+@pytest.mark.distributed
 def test_trainer_resumes_a_single_process_checkpoint_on_two_ranks(trainer_runs):
     _, single, _, two, _ = trainer_runs
     got = [r["from_single"] for r in two]
@@ -429,6 +436,7 @@ def test_trainer_resumes_a_single_process_checkpoint_on_two_ranks(trainer_runs):
         torch.testing.assert_close(full[name], w, rtol=0, atol=TRAIN_WEIGHT_ATOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.distributed
 def test_pipeline_stages_and_one_process_resume_each_other(trainer_runs):
     """Parameters keep the whole model's names on every pipeline stage, so a pp=2 checkpoint is
     an ordinary one: one process resumes it, and 2 stages resume one process's."""
@@ -455,6 +463,7 @@ def test_pipeline_stages_and_one_process_resume_each_other(trainer_runs):
         )
 
 
+@pytest.mark.distributed
 def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_path):
     from safetensors.torch import load_file
 
@@ -491,7 +500,7 @@ def test_zero_checkpoint_imports_without_moe_or_hydra():
         "import zero.checkpoint\n"
         "assert 'moe' not in sys.modules, 'zero imports moe'\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

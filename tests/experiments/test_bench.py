@@ -54,7 +54,7 @@ def test_base_step_spec_matches_the_config_tree():
     # the GPU box runs the MFU step without hydra, from plain values that must stay model=base's
     pytest.importorskip("hydra")
     from experiments.bench_moe_layer import BASE
-    from tests.test_train import cfg_of
+    from tests.support.training import cfg_of
 
     cfg = cfg_of("model=base", "data=tokens")
     for key, value in BASE.items():

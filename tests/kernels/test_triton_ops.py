@@ -374,7 +374,7 @@ def test_fused_adamw_optimizer_bf16_params_keep_fp32_master():
     start = _tiny_model(torch.bfloat16)
     theirs = _tiny_model(torch.bfloat16).float()
     torch_opt = torch.optim.AdamW(theirs.parameters(), **hp, foreach=False)
-    for a, b, s in zip(ours.parameters(), theirs.parameters(), start.parameters()):
+    for a, b in zip(ours.parameters(), theirs.parameters()):
         if a.grad is not None:
             b.grad = a.grad.float()
     torch_opt.step()
@@ -399,7 +399,7 @@ def test_imports_stay_light():
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert result.returncode == 0, result.stderr
 
@@ -407,7 +407,7 @@ def test_imports_stay_light():
 @pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
 def test_in_fresh_process():
     # this module's tests, run where triton is first imported with the interpreter on
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],

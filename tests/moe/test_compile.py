@@ -188,7 +188,7 @@ def test_checkpointed_compiled_blocks_count_statistics_once():
 def test_train_compile_curve_equals_eager(tmp_path, monkeypatch, zero_stage):
     hydra = pytest.importorskip("hydra")  # noqa: F841 (the trainer's config tree)
     from experiments.data import load_stdlib
-    from tests.test_train import cfg_of, run
+    from tests.support.training import cfg_of, run
 
     compile_blocks = Transformer.compile_blocks
     # the trainer compiles with Inductor by default; aot_eager traces the same graphs (docstring)
@@ -253,8 +253,9 @@ def _ep_rank(rank, world):
     return (explained.graph_count, explained.graph_break_count), reasons, out
 
 
+@pytest.mark.distributed
 def test_expert_parallel_count_exchange_is_the_one_break():
-    from tests.dist_utils import run_distributed
+    from tests.support.dist import run_distributed
 
     for breaks, reasons, ((y_e, g_e), (y_c, g_c)) in run_distributed(_ep_rank, 2, timeout=240):
         # every break of an expert-parallel block is the one isolated host read; dynamo counts it once

@@ -14,7 +14,7 @@ def _folder(tmp_path, n=40):
     for i in range(n):
         sub = root / ("a" if i % 2 else "b")
         sub.mkdir(parents=True, exist_ok=True)
-        (sub / f"f{i:02d}.txt").write_text(f"file {i}\n" + "x = %d\n" % i * (i + 1))
+        (sub / f"f{i:02d}.txt").write_text(f"file {i}\n" + f"x = {i}\n" * (i + 1))
     (root / "blob.bin").write_bytes(b"\x00\x01\x02")  # binary: skipped
     (root / "empty.txt").write_text("")  # empty: skipped
     return root

@@ -181,7 +181,7 @@ def train_cfg(*overrides):
 
     from experiments import schema  # noqa: F401  (registers the schema)
 
-    conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    conf = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         return compose("train", overrides=[*TRAIN, *overrides])
 

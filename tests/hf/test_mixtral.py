@@ -31,7 +31,7 @@ from moe.hf_mixtral import (  # noqa: E402
     to_mixtral_state_dict,
 )
 from moe.model import Transformer, TransformerConfig  # noqa: E402
-from tests.test_train import SHORT, assemble_weights, cfg_of, check_same_training, metrics_rows, stdlib  # noqa: E402,F401 (stdlib: a fixture)
+from tests.support.training import SHORT, assemble_weights, cfg_of, check_same_training, metrics_rows  # noqa: E402
 from zero import checkpoint as zc  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
@@ -299,9 +299,10 @@ def _init_from_rank(rank, world, runs, run_dirs):
     return [train(cfg_of(*overrides), run_dir=run_dir, keep_weights=True) for overrides, run_dir in zip(runs, run_dirs)]
 
 
+@pytest.mark.distributed
 def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
     from experiments.train import build_model, train
-    from tests.dist_utils import run_distributed
+    from tests.support.dist import run_distributed
 
     torch.manual_seed(3)
     hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**TRAIN_MX)).eval()

@@ -32,12 +32,12 @@ import torch.nn.functional as nnf
 import moe
 from experiments.train import _check_train_cfg, build_plan, train
 from moe.model import Transformer, TransformerConfig
-from tests.dist_utils import RankExited, run_distributed
-from tests.test_train import SHORT, assemble_weights, cfg_of, metrics_rows, run, stdlib  # noqa: F401 (a fixture)
+from tests.support.dist import RankExited, run_distributed
+from tests.support.training import SHORT, assemble_weights, cfg_of, metrics_rows, run
 from zero import Layout, predict_memory
 from zero.pipeline import SCHEDULES, even_split, plan_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
 BASE = [*SHORT, f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}"]
 LOSS_RTOL = 1e-5
@@ -320,6 +320,7 @@ def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
                 assert all(c[2] == 0 for c in counts), f"{what}: gathered weights left after a step"
 
 
+@pytest.mark.distributed
 def test_two_stages_train_like_one_process_under_every_schedule(tmp_path, stdlib):
     per_rank = run_distributed(
         _trainer_runs, 2, [o for o, _ in RUNS_2], [tmp_path / f"pp{i}" for i in range(len(RUNS_2))], timeout=600
@@ -327,6 +328,7 @@ def test_two_stages_train_like_one_process_under_every_schedule(tmp_path, stdlib
     _check_against_one_process(per_rank, RUNS_2, tmp_path, stdlib, 2)
 
 
+@pytest.mark.distributed
 def test_pipeline_with_expert_parallelism_and_zero3_on_four_ranks(tmp_path, stdlib):
     per_rank = run_distributed(
         _trainer_runs, 4, [o for o, _ in RUNS_4], [tmp_path / f"pp{i}" for i in range(len(RUNS_4))], timeout=600
@@ -367,6 +369,7 @@ def _aux_batch():
     return torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)
 
 
+@pytest.mark.distributed
 def test_balancing_loss_alone_gives_one_process_router_gradients():
     # 1F1B, and ZBV, whose split backward computes input and weight gradients apart
     m, cases = 2, [("1f1b", 1, 2), ("zbv", 2, 2)]
@@ -410,6 +413,7 @@ def _stage_dies(rank, world, tmp):
     return {"error": None}
 
 
+@pytest.mark.distributed
 def test_a_stage_that_dies_ends_the_other_with_an_error(tmp_path):
     out = run_distributed(_stage_dies, 2, str(tmp_path / "run"), init=False, allow_exit=True, timeout=200)
     assert isinstance(out[1], RankExited) and out[1].exitcode == 3
@@ -418,6 +422,7 @@ def test_a_stage_that_dies_ends_the_other_with_an_error(tmp_path):
     assert out[0]["after_s"] < 120, out[0]
 
 
+@pytest.mark.distributed
 def test_two_torchrun_nodes_one_stage_each(tmp_path, stdlib):
     # two torchrun agents as two "nodes" (--nnodes=2, c10d rendezvous), one process each, one
     # pipeline stage each. The rendezvous store is served here on a port the OS picks; both agents
@@ -453,7 +458,7 @@ def test_two_torchrun_nodes_one_stage_each(tmp_path, stdlib):
     ]
     outs = [p.communicate(timeout=300) for p in procs]
     del store
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert sum(out.count("final val loss") for out, _ in outs) == 1  # global rank 0 alone reports
     summary = json.loads((run_dir / "summary.json").read_text())

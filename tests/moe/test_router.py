@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe import MoEConfig, Router, capacity
-from tests.naive import naive_router
+from tests.support.naive import naive_router
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

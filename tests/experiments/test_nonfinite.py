@@ -22,9 +22,20 @@ import experiments.train as train_mod
 from experiments.nonfinite import NonFiniteError
 from experiments.train import train
 from moe import scale_aux_losses
-from tests.dist_utils import run_distributed
-from tests.test_train import LOSS_RTOL, SHORT, WEIGHT_ATOL, assemble_weights, cfg_of, metrics_rows, stdlib  # noqa: F401 (a fixture)
-from tests.test_zero import B_PER_RANK, CLIP, LR, PARAM_ATOL, WD, E, _compare, batches, run_reference, sharded_net
+from tests.support.dist import run_distributed
+from tests.support.training import LOSS_RTOL, SHORT, WEIGHT_ATOL, assemble_weights, cfg_of, metrics_rows
+from tests.support.zero_nets import (
+    B_PER_RANK,
+    CLIP,
+    LR,
+    PARAM_ATOL,
+    WD,
+    E,
+    _compare,
+    batches,
+    run_reference,
+    sharded_net,
+)
 from zero import Layout, ZeroEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -138,6 +149,7 @@ def engine_results(dist_results):
     return [engine for engine, _ in dist_results[0]]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage,ep", STAGE_EP)
 @pytest.mark.parametrize("inject", ["loss", "grad"])
 def test_nan_on_one_rank_skips_the_step_on_every_rank(engine_results, stage, ep, inject):
@@ -156,6 +168,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(engine_results, stage, ep,
         assert loss_err < 1e-5 and w_err < PARAM_ATOL and g_err < 1e-6, r["vs_reference"]
 
 
+@pytest.mark.distributed
 def test_weights_finite_sees_every_rank(engine_results):
     assert [out["weights_finite"] for out in engine_results] == [(True, False), (True, False)]
 
@@ -248,6 +261,7 @@ TRAIN_RUNS = [(f"dist{i}", BASE + extra, {STEP_K}) for i, extra in enumerate(TRA
 TRAIN_RUNS.append(("stop", BASE + ["train.max_bad_steps=2"], set(range(STEP_K, 100))))
 
 
+@pytest.mark.distributed
 def test_trainer_skips_a_step_with_a_nan_loss_on_one_rank(dist_results, tmp_path, stdlib):
     per_rank = [train_runs for _, train_runs in dist_results[0]]
     run_root = dist_results[1]

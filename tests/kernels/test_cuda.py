@@ -64,7 +64,7 @@ def _compiled_kernels(request):
 def test_in_fresh_process():
     if not _kernels_interpreted_here():
         pytest.skip("the kernels are compiled in this process: this module's tests ran here")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env[_CHILD] = "1"
     result = subprocess.run(

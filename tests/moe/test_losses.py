@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 from moe import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_load_balancing_by_hand():

@@ -97,7 +97,7 @@ def test_activation_checkpointing_same_gradients():
 def test_groups_come_from_layout():
     layout = SimpleNamespace(ep_group=None, dp_group=None, rank=0)
     model = Transformer(make().cfg, layout=layout)
-    assert all(l.ep_group is None and l.dp_group is None for l in model.moe_layers())
+    assert all(m.ep_group is None and m.dp_group is None for m in model.moe_layers())
     with pytest.raises(ValueError, match="either layout or"):
         Transformer(make().cfg, layout=layout, dp_group=object())
 

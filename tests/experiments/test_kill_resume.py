@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import ckpt_cases as cc
-from tests.ckpt_restart_worker import MOMENTS
+from tests.support import ckpt_cases as cc
+from tests.support.ckpt_restart_worker import MOMENTS
+from tests.support.dist import require_distributed_marker
 from zero import checkpoint as zc
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 8, 2
 RUN = [*cc.TRAIN, f"train.steps={STEPS}", f"train.checkpoint.every={EVERY}", "parallel=ep2", "parallel.zero_stage=3"]
 LOSS_RTOL = 1e-6  # another layout than one process: summation order only (tests/test_checkpoint.py)
@@ -81,6 +82,7 @@ def describe(kills) -> str:
 
 def torchrun(run_dir: Path, env: dict, label: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     """torchrun in a session of its own: on a timeout the agent and its workers are all killed."""
+    require_distributed_marker(f"torchrun ({label})")
     cmd = [
         sys.executable,
         "-m",
@@ -89,7 +91,7 @@ def torchrun(run_dir: Path, env: dict, label: str, timeout: float = TIMEOUT_S) -
         "--nproc_per_node=2",
         "--max-restarts=2",
         "-m",
-        "tests.ckpt_restart_worker",
+        "tests.support.ckpt_restart_worker",
         *RUN,
         f"hydra.run.dir={run_dir}",
     ]
@@ -109,7 +111,7 @@ def torchrun(run_dir: Path, env: dict, label: str, timeout: float = TIMEOUT_S) -
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +142,7 @@ def runs(tmp_path_factory):
     return dict(what=what, specs=specs, kills=kills, root=root, single=single, ref=ref, killed=killed, mark=mark)
 
 
+@pytest.mark.distributed
 def test_the_killed_run_restarts_and_resumes_from_the_newest_complete_checkpoint(runs):
     what, p = runs["what"], runs["killed"]
     assert p.returncode == 0, f"{what}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
@@ -158,6 +161,7 @@ def test_the_killed_run_restarts_and_resumes_from_the_newest_complete_checkpoint
     assert all(zc.verify(path) is None for _, path in zc.list_checkpoints(ckpts)), what
 
 
+@pytest.mark.distributed
 def test_the_resumed_run_logs_the_uninterrupted_runs_rows(runs):
     what = runs["what"]
     assert runs["killed"].returncode == 0, what
@@ -180,6 +184,7 @@ def test_the_resumed_run_logs_the_uninterrupted_runs_rows(runs):
     )
 
 
+@pytest.mark.distributed
 def test_the_final_checkpoint_is_the_uninterrupted_runs_bit_for_bit(runs):
     """Every tensor of the last checkpoint: weights, optimizer moments and step counts, buffers (the
     expert biases), each rank's torch RNG state. Not Python's ``random`` state: the trainer seeds

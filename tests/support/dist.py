@@ -27,6 +27,16 @@ import torch.multiprocessing as mp
 
 from experiments.launch import init_process_group_on, start_rendezvous
 
+# "0" while pytest runs a test without the ``distributed`` marker (tests/conftest.py)
+MARKED_ENV = "SWITCHYARD_TEST_DISTRIBUTED"
+
+
+def require_distributed_marker(what: str) -> None:
+    """Refuse to start processes from a test without ``@pytest.mark.distributed``: it would run under
+    ``-m "not distributed"``, which promises the single-process suite."""
+    if os.environ.get(MARKED_ENV) == "0":
+        raise RuntimeError(f"{what} in a test without @pytest.mark.distributed: mark the test or its module")
+
 
 class RankExited:
     """What ``run_distributed(..., allow_exit=True)`` returns for a rank that exited without returning."""
@@ -38,9 +48,20 @@ class RankExited:
         return f"RankExited(exitcode={self.exitcode})"
 
 
-def _worker(rank, world, port, fn, args, results, collective_timeout, started, init):
+def _exit_with_parent(parent: int) -> None:
+    """A rank outlives a pytest killed by a signal (daemon processes are reaped only on a normal
+    exit) and would idle on its collective holding memory: it ends itself once its parent is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker(rank, world, port, fn, args, results, collective_timeout, started, init, parent):
+    import threading
+
     import torch.distributed as dist
 
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(1)
     # torchrun's environment, agent store included: a rank function may also initialise the process
     # group itself (init=False), e.g. through zero.init_distributed, and joins the same store
@@ -88,6 +109,7 @@ def run_distributed(
     ``init=False``: the ranks get torchrun's environment but no process group; ``fn`` creates it
     (``collective_timeout`` then is unused). ``allow_exit=True``: a rank that exits without a
     result gives ``RankExited(exitcode)`` instead of failing the call."""
+    require_distributed_marker(f"run_distributed({getattr(fn, '__name__', fn)}, world={world})")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     started = ctx.Barrier(world)
@@ -95,7 +117,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world, store.port, fn, args, results, collective_timeout, started, init),
+            args=(r, world, store.port, fn, args, results, collective_timeout, started, init, os.getpid()),
             daemon=True,
         )
         for r in range(world)
@@ -121,11 +143,11 @@ def run_distributed(
                             raise RuntimeError(
                                 f"rank {r} exited with code {p.exitcode} without returning a result "
                                 f"(results so far from ranks {sorted(out)})"
-                            )
+                            ) from None
                         exited[r] = RankExited(p.exitcode)
                 if now > deadline:
                     missing = world - len(out) - len(errors) - len(exited)
-                    raise TimeoutError(f"{missing} of {world} ranks did not finish within {timeout}s")
+                    raise TimeoutError(f"{missing} of {world} ranks did not finish within {timeout}s") from None
                 continue
             if status == "ok":
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)

@@ -19,7 +19,7 @@ from experiments import schema
 from moe import MoEConfig
 from moe.model import TransformerConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 # the trainer's groups; conf/hydra holds Hydra's own (hydra/launcher: the submitit plugin's schemas)
 GROUPS = sorted(

@@ -27,7 +27,7 @@ import moe
 import routing_kernels as rk
 import routing_kernels.cpu_experts as cpu_experts
 from moe import MoEConfig, MoELayer
-from tests.naive import (
+from tests.support.naive import (
     naive_capacity_keep,
     naive_expert_choice,
     naive_moe,

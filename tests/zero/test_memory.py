@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.test_zero import E, TinyNet, sharded_net
+from tests.support.dist import run_distributed
+from tests.support.zero_nets import E, TinyNet, sharded_net
 from zero import Layout
 from zero.engine import ZeroEngine
 from zero.memory import FIELDS, KINDS, count_params, main, predict_memory
@@ -69,6 +69,7 @@ def _check(results):
     return n
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,ep", [(2, 1), (4, 2)])
 def test_predicted_equals_measured(world, ep):
     # 4 ranks with ep=2: experts shard over edp=2, dense over dp=4

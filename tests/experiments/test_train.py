@@ -12,55 +12,18 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 import routing_kernels
 import zero
-from experiments.data import load_stdlib
 from experiments.train import build_engine, build_model, lr_at, train
-from tests.dist_utils import run_distributed
+from tests.support.dist import run_distributed
+from tests.support.paths import CONF, ROOT
+from tests.support.training import SHORT, TINY, assemble_weights, cfg_of, check_same_training, metrics_rows, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-# shrink whatever a config chooses to seconds of CPU, keeping its structure (groups, flags, ratios)
-TINY = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.d_ff=64",
-    "train.steps=2",
-    "train.batch_size=4",
-    "train.seq_len=16",
-    "train.eval_batches=1",
-    "train.eval_every=1",
-    "train.log_every=1",
-    "train.progress=false",
-    "optim.warmup_steps=1",
-]
-
-
-@pytest.fixture(scope="module")
-def stdlib():
-    return load_stdlib()  # cached under $SWITCHYARD_CACHE or ~/.cache/switchyard after the first read
-
-
-def cfg_of(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-def run(cfg, tmp_path, stdlib, name="run", **kw):
-    data = stdlib if cfg.data.source == "stdlib" else None
-    return train(cfg, run_dir=tmp_path / name, data=data, **kw)
-
-
-def metrics_rows(run_dir):
-    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def _token_folder(tmp_path):
@@ -183,24 +146,13 @@ def test_moe_vs_dense_pairs_equal_active_params(tmp_path, stdlib):
     assert moe_run["params_total"] - dense["params_total"] == 2 * (8 * 3 * D * F // 2 - 3 * D * F + 8 * D)
 
 
-SHORT = [
-    "model=tiny",
-    "logger=none",
-    "train.progress=false",
-    "train.batch_size=8",
-    "train.seq_len=32",
-    "train.eval_batches=2",
-    "optim.warmup_steps=2",
-]
-
-
 def test_short_run_lowers_loss_and_writes_metrics(tmp_path, stdlib):
     cfg = cfg_of(*SHORT, "train.steps=30", "train.log_every=5", "train.eval_every=15")
     s = run(cfg, tmp_path, stdlib)
     losses = s["train_losses"]
     assert losses[-1] < losses[0] - 1.0, losses
     assert s["final_val_loss"] < math.log(256) - 1.0
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
     assert [r["step"] for r in rows if "val_loss" in r] == [15, 30]
     for r in rows:
@@ -220,40 +172,6 @@ def test_same_config_same_curve(tmp_path, stdlib):
     assert a["train_losses"] == b["train_losses"] and a["val_history"] == b["val_history"]  # bit for bit
     c = run(cfg_of(*SHORT, "train.steps=4", "train.log_every=1", "train.eval_every=2", "seed=1"), tmp_path, stdlib, "c")
     assert c["train_losses"] != a["train_losses"]
-
-
-# Comparing two trainings of the same model on the same global batch (fp32): every step's loss and
-# gradient norm, and the final weights. The losses alone hide a wrong gradient scale: AdamW divides
-# it out and clipping rescales it, so a run whose reduced gradients are all 4x too large logs the
-# same losses; its gradient norm is 4x, and its weights move differently wherever eps matters.
-# The runs differ only in summation order (micro-batches, all-reduce, per-rank matmul blocks):
-# ~1e-7 relative per operation, compounded over a forward, a backward and 3 AdamW steps. Measured
-# over the accumulation run and the 8 layouts below: losses <= 1.8e-7 relative, gradient norms
-# <= 1.9e-7 relative, weights <= 1.7e-6 absolute. Tolerances are ~10x that:
-LOSS_RTOL = GNORM_RTOL = 2e-6  # a wrongly scaled gradient moves the norm by O(1)
-# Weights: AdamW's update g / (|g| + eps) turns a rounding difference dg of a gradient entry near
-# eps = 1e-8 into lr * dg / eps (lr 3e-3, dg ~ 1e-11: a few 1e-6), whatever the weight's size, so
-# the tolerance is absolute. 1e-5 is still 300x below one step's lr: an update that goes another
-# way (a wrong gradient, a different eps regime) shows as ~1e-3.
-WEIGHT_ATOL = 1e-5
-
-
-def check_same_training(got, got_rows, ref, ref_rows, what):
-    np.testing.assert_allclose(got["train_losses"], ref["train_losses"], rtol=LOSS_RTOL, err_msg=f"{what}: losses")
-    assert [r["step"] for r in got_rows] == [r["step"] for r in ref_rows] == list(range(1, len(ref_rows) + 1)), what
-    np.testing.assert_allclose(
-        [r["grad_norm"] for r in got_rows],
-        [r["grad_norm"] for r in ref_rows],
-        rtol=GNORM_RTOL,
-        err_msg=f"{what}: gradient norms",
-    )
-    assert set(got["weights"]) == set(ref["weights"]), what
-    for name, w in ref["weights"].items():
-        torch.testing.assert_close(
-            got["weights"][name], w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m: f"{what}: final {name}: {m}"
-        )
-    # and the runs trained: equal weights after 3 steps would also hold for two frozen models
-    assert ref["train_losses"][-1] < ref["train_losses"][0], what
 
 
 def test_grad_accum_trains_the_same_batch(tmp_path, stdlib):
@@ -302,28 +220,6 @@ LAYOUTS_4 = [(2, ["parallel=ep2"]), (2, ["parallel=zero3_ep2"]), (4, ["parallel=
 LAYOUT_BASE = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
 
 
-def assemble_weights(per_rank: list[dict], ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The whole model from the ranks' weights: an expert weight is the concatenation of the slices
-    of one ep group (ep_rank order); every other rank holds a replica, which must be identical."""
-    ep = per_rank[0]["layout"]["ep"]
-    full = {}
-    for name, want in ref.items():
-        by_ep_rank = {}
-        for s in per_rank:
-            w = s["weights"][name]
-            ep_rank = s["layout"]["rank"] % ep
-            first = by_ep_rank.setdefault(ep_rank, w)
-            # replicas updated from the same reduced gradients by the same arithmetic: bit for bit
-            assert torch.equal(w, first), f"{name}: rank {s['layout']['rank']} differs from its replica"
-        if by_ep_rank[0].shape == want.shape:
-            assert all(torch.equal(w, by_ep_rank[0]) for w in by_ep_rank.values()), f"{name} differs between ep ranks"
-            full[name] = by_ep_rank[0]
-        else:  # an expert weight: this ep rank's slice of dimension 0
-            assert ep > 1 and by_ep_rank[0].shape[0] * ep == want.shape[0], (name, by_ep_rank[0].shape, want.shape)
-            full[name] = torch.cat([by_ep_rank[r] for r in range(ep)])
-    return full
-
-
 def _check_layouts(per_rank, layouts, tmp_path, stdlib, world):
     for i, (ep, extra) in enumerate(layouts):
         runs = [r[i] for r in per_rank]
@@ -345,18 +241,21 @@ def _check_layouts(per_rank, layouts, tmp_path, stdlib, world):
         )
 
 
+@pytest.mark.distributed
 def test_two_ranks_train_like_one_process_on_every_layout(tmp_path, stdlib):
     runs = [extra + LAYOUT_BASE for _, extra in LAYOUTS_2]
     per_rank = run_distributed(_layout_runs, 2, runs, [tmp_path / f"dist{i}" for i in range(len(runs))], timeout=400)
     _check_layouts(per_rank, LAYOUTS_2, tmp_path, stdlib, 2)
 
 
+@pytest.mark.distributed
 def test_four_ranks_ep_inside_dp_and_zero3_train_like_one_process(tmp_path, stdlib):
     runs = [extra + LAYOUT_BASE for _, extra in LAYOUTS_4]
     per_rank = run_distributed(_layout_runs, 4, runs, [tmp_path / f"dist{i}" for i in range(len(runs))], timeout=400)
     _check_layouts(per_rank, LAYOUTS_4, tmp_path, stdlib, 4)
 
 
+@pytest.mark.distributed
 def test_torchrun_launch(tmp_path, stdlib):
     # the documented launch: torchrun, gloo on the CPU, only rank 0 writes metrics. --standalone:
     # torchrun's agent serves the rendezvous on a port the OS gives it and the ranks join that (a
@@ -381,7 +280,7 @@ def test_torchrun_launch(tmp_path, stdlib):
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ep=2" in p.stdout and p.stdout.count("final val loss") == 1  # rank 0 alone reports
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
 
 

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 import routing_kernels
 from moe import scale_aux_losses
-from tests.dist_utils import run_distributed
-from tests.test_zero import B_PER_RANK, CLIP, E, batches, reference_net, sharded_net
+from tests.support.dist import run_distributed
+from tests.support.zero_nets import B_PER_RANK, CLIP, E, batches, reference_net, sharded_net
 from zero import Layout, ZeroEngine
 
 LR, WD, MOMENTUM = 1e-2, 0.1, 0.9
@@ -273,10 +273,12 @@ def _check_against_references(results, references, world: int) -> int:
     return checked
 
 
+@pytest.mark.distributed
 def test_optimizers_match_unsharded_dp2_stages_0_to_3_with_and_without_offload(results_dp2, references):
     assert _check_against_references(results_dp2, references, 2) == 2 * (4 * 3 * 2 + 4)
 
 
+@pytest.mark.distributed
 def test_optimizers_match_unsharded_ep2_inside_dp4_with_and_without_offload(results_dp4, references):
     assert _check_against_references(results_dp4, references, 4) == 4 * 4 * 3 * 2
 
@@ -288,12 +290,14 @@ def test_the_runs_train(references):
         assert losses[-1] < losses[0], (o, losses)
 
 
+@pytest.mark.distributed
 def test_groups_as_a_function_equal_groups_as_a_list(results_dp2):
     for out in results_dp2:
         (losses_f, params_f, _, _), (losses_l, params_l, _, _) = out["callable_groups"]
         assert losses_f == losses_l and all(torch.equal(params_f[n], params_l[n]) for n in params_l)
 
 
+@pytest.mark.distributed
 def test_refusals_come_before_any_collective_on_every_rank(results_dp2):
     for out in results_dp2:
         refusals = out["refusals"]
@@ -426,4 +430,4 @@ def test_param_groups_reach_the_optimizer_and_the_metadata_names_each_shard_tens
     assert engine.lr == 0.5 and all(g["lr"] == 0.5 for g in opt.param_groups)
     opt.param_groups[1]["lr"] = 0.25
     with pytest.raises(AttributeError, match="different learning rates"):
-        engine.lr
+        _ = engine.lr

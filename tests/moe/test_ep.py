@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from moe import MoEConfig, MoELayer
-from tests.dist_utils import RankExited, run_distributed
-from tests.ep_cases import (
+from tests.support.dist import RankExited, run_distributed
+from tests.support.ep_cases import (
     TinyMoENet,
     copy_full_into_sharded,
     dead_rank_fn,
@@ -86,6 +86,7 @@ LAYER_CASES_2 = [
 ]
 
 
+@pytest.mark.distributed
 def test_ep2_layer_and_training_match_single_process_and_bad_input_fails_on_every_rank():
     # one launch of ranks runs many cases: spawning ranks costs seconds of imports each time
     train_cfg = cfg(d_model=8, d_ff=12, num_experts=4)
@@ -113,6 +114,7 @@ def test_ep2_layer_and_training_match_single_process_and_bad_input_fails_on_ever
     assert results[0][skew_idx]["stats"]["tokens_per_expert"][2:] == [0] * 6
 
 
+@pytest.mark.distributed
 def test_ep4_and_ep2_in_dp4_layer_and_training():
     c = cfg()
     train_cfg = cfg(d_model=8, d_ff=12, num_experts=4)
@@ -191,6 +193,7 @@ def check_training(results, c, steps, global_bs, max_norm):
 DEAD_RANK_TIMEOUT_S = 5.0  # the collective timeout under test: seconds, well above a loaded machine's scheduling delays
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("how,group_kind", [("dies", "world"), ("stalls", "world"), ("stalls", "ep")])
 def test_dead_rank_ends_collective_with_error(how, group_kind):
     # run_distributed returns only once every rank has returned or exited: had the project's path

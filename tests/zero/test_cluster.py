@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 import zero
 from zero.layout import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_environment
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # what srun gives task 5 of a 16-task step over 2 nodes of 8 GPUs, under sbatch
 SRUN_TASK = {
@@ -147,7 +147,7 @@ def test_slurm_launcher_config_composes():
 def test_multirun_through_the_submitit_local_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from experiments.data import load_stdlib
-    from tests.test_train import TINY
+    from tests.support.training import TINY
 
     load_stdlib()  # the data cache exists before the two jobs start
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -632,7 +632,7 @@ def test_core_packages_import_without_transformers():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = (
         "import sys\nsys.modules['transformers'] = None\nsys.modules['safetensors'] = None\n"
         "import moe, moe.model, zero, routing_kernels\n"
@@ -736,12 +736,13 @@ def _ep_unpatch_rank(rank, world, archs, tmp):
     return out
 
 
+@pytest.mark.distributed
 def test_unpatch_under_expert_parallelism_gathers_every_expert(tmp_path):
     """ep=2 on 2 gloo ranks: unpatch, stock_state_dict (of the model, and of a state dict holding
     this rank's slices) and moe.hf.save_pretrained gather every expert; bad input is refused on the
     one rank that holds it, before any exchange; a stock state dict loads, each rank keeping its
     own experts."""
-    from tests.dist_utils import run_distributed
+    from tests.support.dist import run_distributed
 
     results = run_distributed(_ep_unpatch_rank, 2, EP_ARCHS, str(tmp_path))
     for arch in EP_ARCHS:
@@ -756,11 +757,12 @@ def test_unpatch_under_expert_parallelism_gathers_every_expert(tmp_path):
         _assert_same_state(_load_stock(type(model), tmp_path / arch / "saved"), want, (arch, "moe.hf.save_pretrained"))
 
 
+@pytest.mark.distributed
 def test_expert_parallel_patch_matches_stock():
     # 2 ranks, ep=2: rank r holds experts [r*E/2, (r+1)*E/2) and runs sequence r. Its outputs and
     # replicated weights' gradients are the stock model's on sequence r; its experts' gradients
     # are the stock gradients of the sum of both ranks' losses (tokens of both ranks reach them)
-    from tests.dist_utils import run_distributed
+    from tests.support.dist import run_distributed
 
     results = run_distributed(_ep_rank, 2, EP_ARCHS)
     for arch in EP_ARCHS:
@@ -843,6 +845,7 @@ def _zero_rank(rank, world, arch, out_dir):
     return dict(losses=losses, grads=grads, shapes={n: tuple(t.shape) for n, t in trained.items()})
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])  # a gated shared expert; the correction bias, a buffer
 def test_patched_model_trains_under_zero3_with_expert_parallelism_like_one_process_and_saves_pretrained(arch, tmp_path):
     """The whole road a user takes: patch a transformers model with ep=2, train it under ZeRO-3 on 2
@@ -850,7 +853,7 @@ def test_patched_model_trains_under_zero3_with_expert_parallelism_like_one_proce
     the stock model trained in one process on the whole batch. Every step's loss and every gradient
     (the engine's synchronised ones, an ep slice of the experts on each rank) within 1e-5, and the
     saved model's weights within 1e-5 of the reference's (SGD: rounding of the gradients only)."""
-    from tests.dist_utils import run_distributed
+    from tests.support.dist import run_distributed
 
     results = run_distributed(_zero_rank, 2, arch, str(tmp_path))
     stock = _build(arch)
