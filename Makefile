@@ -4,13 +4,22 @@
 PYTHON ?= python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test train bench
+.PHONY: install lint test test-fast train
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -q -e ".[dev,hf,cluster]"
 
-test: install
+# the style holds by tool: lint and format are checked before the tests run
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: install lint
 	$(PYTHON) -m pytest -q tests
+
+# the single-process suite (no gloo ranks, no torchrun agents): about 2 minutes on 2 cores
+test-fast: install lint
+	$(PYTHON) -m pytest -q -m "not distributed" tests
 
 train: install
 	WANDB_MODE=offline $(PYTHON) -m experiments.train

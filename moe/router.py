@@ -148,7 +148,7 @@ class Router(nn.Module):
         return select_TE.masked_fill(~keep_TG.repeat_interleave(E // G, dim=1), float("-inf"))
 
     def _expert_choice(self, logits_TE, group) -> Routing:
-        # each expert takes its top-C tokens over the whole data-parallel batch; this looks at
+        # each expert takes its top-Q tokens (Q: its capacity) over the whole data-parallel batch; this looks at
         # every token of the batch, so it is not causal (unfit for autoregressive decoding)
         cfg = self.cfg
         E = cfg.num_experts
@@ -158,8 +158,8 @@ class Router(nn.Module):
         cap = min(capacity(cfg.capacity_or_default, cfg.top_k, T_all, E), T_all)
         chosen_all = torch.zeros_like(all_probs, dtype=torch.bool)
         if cap > 0:
-            top_CE = all_probs.topk(cap, dim=0).indices
-            chosen_all.scatter_(0, top_CE, True)
+            top_QE = all_probs.topk(cap, dim=0).indices
+            chosen_all.scatter_(0, top_QE, True)
         chosen_TE = chosen_all[start : start + probs_TE.shape[0]]
         arange_E = torch.arange(E, device=logits_TE.device).expand_as(chosen_TE)
         ids_TE = torch.where(chosen_TE, arange_E, torch.full_like(arange_E, -1))

@@ -108,9 +108,9 @@ def _combine_rows(y_SD, index_TK, w_TK, out_TD):
     D = y_SD.shape[1]
     for t0 in range(0, T, _COMBINE_BLOCK_T):
         t1 = min(t0 + _COMBINE_BLOCK_T, T)
-        rows_BKD = y_SD.index_select(0, index_TK[t0:t1].reshape(-1)).view(t1 - t0, K, D)
-        # [B,1,K] @ [B,K,D]: one batched pass instead of K weighted adds
-        torch.bmm(w_TK[t0:t1].unsqueeze(1), rows_BKD, out=out_TD[t0:t1].unsqueeze(1))
+        rows_TKD = y_SD.index_select(0, index_TK[t0:t1].reshape(-1)).view(t1 - t0, K, D)
+        # [T,1,K] @ [T,K,D] over the chunk: one batched pass instead of K weighted adds
+        torch.bmm(w_TK[t0:t1].unsqueeze(1), rows_TKD, out=out_TD[t0:t1].unsqueeze(1))
     return out_TD
 
 
