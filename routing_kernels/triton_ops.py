@@ -22,6 +22,30 @@ import triton
 import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------
+# compiled or interpreted; loop bounds from runtime arguments
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _loop_bound(n):
+    return n
+
+
+# kernels decorated while TRITON_INTERPRET=1 run on CPU tensors; tests check this flag
+INTERPRETED = type(_loop_bound).__name__ == "InterpretedFunction"
+
+if INTERPRETED:
+    # Every range() over a runtime int argument takes its bound through _loop_bound: compiled, it is
+    # the identity above (the kernels' sm_90 SASS is the same as with the bare argument). Interpreted,
+    # that argument is a 1-element array, and Triton <= 3.6 takes a range() bound with int() of it,
+    # which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars";
+    # triton-lang/triton#9171, fixed in 3.7), so here the Python int is read out of the array.
+    @triton.jit
+    def _loop_bound(n):
+        return n.handle.data.item()
+
+
+# ---------------------------------------------------------------------------------------------
 # routing metadata: histogram per block -> scan over blocks per expert -> destination rows
 # ---------------------------------------------------------------------------------------------
 
@@ -51,7 +75,7 @@ def _expert_scan_kernel(counts_EU_ptr, counts_E_ptr, NU, BLOCK_U: tl.constexpr):
     e = tl.program_id(0)
     row_ptr = counts_EU_ptr + e.to(tl.int64) * NU
     carry = tl.sum(tl.zeros([BLOCK_U], dtype=tl.int32), axis=0)
-    for start in range(0, NU, BLOCK_U):
+    for start in range(0, _loop_bound(NU), BLOCK_U):
         bb = start + tl.arange(0, BLOCK_U)
         m = bb < NU
         c = tl.load(row_ptr + bb, mask=m, other=0)
@@ -297,7 +321,7 @@ def _unpermute_combine_bwd_kernel(
     t64 = t.to(tl.int64)
     kcols = tl.arange(0, K_PAD)
     dot_TK = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(0, _loop_bound(D), BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         dm = d < D
         # the upstream gradient is read once per column tile and reused for all K slots
@@ -560,7 +584,3 @@ def fused_adamw(
         grad_scale=float(grad_scale),
         param_copy=param_copy,
     )
-
-
-# kernels decorated while TRITON_INTERPRET=1 run on CPU tensors; tests check this flag
-INTERPRETED = type(_permute_kernel).__name__ == "InterpretedFunction"
