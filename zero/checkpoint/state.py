@@ -633,7 +633,7 @@ def new_group(timeout_s: float | None = None):
     CPU tensors whatever the training backend. A collective: every rank must call it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    from .layout import _collective_timeout_s
+    from ..layout import _collective_timeout_s
 
     t = timeout_s if timeout_s is not None else _collective_timeout_s
     return dist.new_group(backend="gloo", timeout=None if t is None else datetime.timedelta(seconds=t))
