@@ -2,7 +2,8 @@
 replicated data parallelism) to 3, with gradient reduction, clipping and any elementwise optimizer;
 ``zero.pipeline``: pipeline stages on torch.distributed.pipelining, composed with the engine."""
 
-from .engine import ZeroEngine, check_elementwise, default_blocks
+from .admission import check_elementwise
+from .engine import ZeroEngine
 from .flat import ParamSlice
 from .layout import (
     Layout,
@@ -12,6 +13,7 @@ from .layout import (
     slurm_environment,
     validate_layout,
 )
+from .units import default_blocks
 
 __all__ = [
     "Layout",

@@ -131,7 +131,10 @@ class Layout:
         return layout
 
     def describe(self) -> str:
-        return f"world={self.world} pp={self.pp} dp={self.dp} ep={self.ep} edp={self.edp} rank={self.rank} (pp_rank={self.pp_rank} dp_rank={self.dp_rank} ep_rank={self.ep_rank} edp_rank={self.edp_rank})"
+        return (
+            f"world={self.world} pp={self.pp} dp={self.dp} ep={self.ep} edp={self.edp} rank={self.rank} "
+            f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} ep_rank={self.ep_rank} edp_rank={self.edp_rank})"
+        )
 
 
 _collective_timeout_s: float | None = None  # what join_process_group was given; Layout.build's default
@@ -279,5 +282,6 @@ def check_same_on_all_ranks(text: str, what: str = "config", group=None) -> None
     differing = [r for r in range(n) if not torch.equal(rows[r], rows[0])]
     if differing:
         raise RuntimeError(
-            f"the {what} differs between ranks: ranks {differing} disagree with rank 0; launch every rank with the same arguments"
+            f"the {what} differs between ranks: ranks {differing} disagree with rank 0; "
+            f"launch every rank with the same arguments"
         )

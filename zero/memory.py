@@ -145,14 +145,18 @@ def measure_memory(engine) -> dict:
 
 
 def format_table(rows: list[tuple[str, dict]], unit: float = 1e9, unit_name: str = "GB") -> str:
-    head = f"| stage | weights ({unit_name}) | grads ({unit_name}) | optimizer ({unit_name}) | device total ({unit_name}) | host ({unit_name}) |"
+    head = (
+        f"| stage | weights ({unit_name}) | grads ({unit_name}) | optimizer ({unit_name}) "
+        f"| device total ({unit_name}) | host ({unit_name}) |"
+    )
     lines = [head, "|" + "---|" * 6]
     for label, m in rows:
         p = sum(m[k]["params"] for k in KINDS)
         g = sum(m[k]["grads"] for k in KINDS)
         o = sum(m[k]["optimizer"] for k in KINDS)
         lines.append(
-            f"| {label} | {p / unit:g} | {g / unit:g} | {o / unit:g} | {m['device_total'] / unit:g} | {m['host_total'] / unit:g} |"
+            f"| {label} | {p / unit:g} | {g / unit:g} | {o / unit:g} "
+            f"| {m['device_total'] / unit:g} | {m['host_total'] / unit:g} |"
         )
     return "\n".join(lines)
 

@@ -127,30 +127,33 @@ def plan_pipeline(
         raise ValueError(
             f"pp_schedule={pp_schedule} is V-shaped, exactly two stages per rank: pp_virtual_stages={v} must be 2"
         )
-    S = pp * v
+    num_stages = pp * v
     if pp_layers is None:
-        if num_layers < S:
+        if num_layers < num_stages:
             raise ValueError(
                 f"{num_layers} pipeline layers (the embedding, each block and the head) cannot fill "
-                f"pp={pp} x pp_virtual_stages={v} = {S} stages: each stage needs at least one layer"
+                f"pp={pp} x pp_virtual_stages={v} = {num_stages} stages: each stage needs at least one layer"
             )
-        sizes = even_split(num_layers, S)
+        sizes = even_split(num_layers, num_stages)
     else:
         sizes = list(pp_layers)
         if (
-            len(sizes) != S
+            len(sizes) != num_stages
             or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in sizes)
             or sum(sizes) != num_layers
         ):
             raise ValueError(
-                f"pp_layers={sizes} is invalid: expected {S} positive integers (pp={pp} x pp_virtual_stages={v} "
-                f"stages) summing to the {num_layers} pipeline layers (the embedding, each block, the head)"
+                f"pp_layers={sizes} is invalid: expected {num_stages} positive integers "
+                f"(pp={pp} x pp_virtual_stages={v} stages) summing to the {num_layers} pipeline layers "
+                f"(the embedding, each block, the head)"
             )
     # what torch's schedules need of the micro-batch count, checked here to name the keys
     if pp_schedule == "1f1b" and m < pp:
         raise ValueError(f"pp_microbatches={m} is below what 1f1b needs: at least pp={pp} micro-batches")
-    if pp_schedule == "dualpipev" and m < S:
-        raise ValueError(f"pp_microbatches={m} is below what dualpipev needs: at least 2 x pp={S} micro-batches")
+    if pp_schedule == "dualpipev" and m < num_stages:
+        raise ValueError(
+            f"pp_microbatches={m} is below what dualpipev needs: at least 2 x pp={num_stages} micro-batches"
+        )
     if style == "loop":
         rounds = max(1, m // pp)
         if m % rounds:

@@ -5,8 +5,8 @@ attempt, so torchrun must restart the group and the trainer resume on its own.
 torchrun's attempt i (``TORCHELASTIC_RESTART_COUNT``); later attempts run undisturbed. The moments:
 
 - ``save``: inside the save of step ``<step>``, once this rank's data files are written and before
-  any manifest exists (a checkpoint that looks almost complete; ``zc._Writer.write_data`` is where
-  a rank's files are done);
+  any manifest exists (a checkpoint that looks almost complete;
+  ``zero.checkpoint.storage._Writer.write_data`` is where a rank's files are done);
 - ``forward``: inside the model's forward of training step ``<step>`` (1-based), as it enters its
   first MoE layer (the blocks before it ran; the other rank then waits in that layer's all-to-all);
 - ``optimizer``: after the backward of step ``<step>``, before the engine reduces the gradients and
@@ -57,9 +57,10 @@ def install(spec: str, rank: int) -> None:
         return
     if moment == "save":
         from zero import checkpoint as zc
+        from zero.checkpoint.storage import _Writer
 
         kill_in = zc.step_dir("", step).name
-        write_data = zc._Writer.write_data
+        write_data = _Writer.write_data
 
         def write_and_die(self, plan, planner):
             fut = write_data(self, plan, planner)
@@ -67,7 +68,7 @@ def install(spec: str, rank: int) -> None:
                 _die(spec)
             return fut
 
-        zc._Writer.write_data = write_and_die
+        _Writer.write_data = write_and_die
         return
     # the training step being taken (1-based): the batch drawn last for the train split
     from experiments.data import LMData

@@ -317,10 +317,13 @@ def _save_format_1(engine, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    tensors, chunks, _ = zc._entries(engine, 0, True)
+    from zero.checkpoint.planners import _ChunkSavePlanner
+    from zero.checkpoint.state import _entries, _meta
+
+    tensors, chunks, _ = _entries(engine, 0, True)
     path.mkdir()
-    (path / zc.META).write_text(json.dumps({**zc._meta(engine, engine.step_count, {}), "format": 1}))
-    dcp.save(tensors, storage_writer=FileSystemWriter(path), planner=zc._ChunkSavePlanner(chunks), no_dist=True)
+    (path / zc.META).write_text(json.dumps({**_meta(engine, engine.step_count, {}), "format": 1}))
+    dcp.save(tensors, storage_writer=FileSystemWriter(path), planner=_ChunkSavePlanner(chunks), no_dist=True)
     files = {p.name: zc.file_digest(p, "sha256") for p in sorted(path.iterdir())}
     (path / zc.MANIFEST).write_text(json.dumps({"format": 1, "files": files}))
     return path

@@ -14,8 +14,9 @@ Tolerances (fp32): the sharded runs sum gradients in another order than one proc
 reduce-scatter, per-rank matmul blocking), ~1e-7 relative per step, which the optimizer carries
 into the weights (Adam's normalisation can magnify it for entries whose gradient is near zero).
 Measured over these 6 steps: at most 2.4e-7 relative on a step's loss and 1.2e-7 absolute on
-final weights of size ~0.1-1 (5.7e-7 with eps=1e-8), so 2e-6 and 5e-6 leave 8x margin or more; the bugs planted while writing these
-tests (a wrong scale, a wrong group, the factory ignored) move the weights by 1e-5 to 1e-1.
+final weights of size ~0.1-1 (5.7e-7 with eps=1e-8), so 2e-6 and 5e-6 leave 8x margin or more; the
+bugs planted while writing these tests (a wrong scale, a wrong group, the factory ignored) move the
+weights by 1e-5 to 1e-1.
 
 All distributed cases of one world size run inside one spawn of ranks (a spawn costs seconds of
 imports on this machine); the references run once in the test process.

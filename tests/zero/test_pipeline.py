@@ -122,7 +122,8 @@ def test_plan_cuts_layers_and_maps_stages_to_ranks():
         ),
         (
             dict(pp=8, pp_microbatches=8),
-            r"5 pipeline layers \(the embedding, each block and the head\) cannot fill pp=8 x pp_virtual_stages=1 = 8 stages",
+            r"5 pipeline layers \(the embedding, each block and the head\) cannot fill "
+            r"pp=8 x pp_virtual_stages=1 = 8 stages",
         ),
         (dict(pp_microbatches=1), r"pp_microbatches=1 is below what 1f1b needs: at least pp=2"),
         (
