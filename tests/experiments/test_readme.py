@@ -15,13 +15,16 @@ README = (ROOT / "README.md").read_text()
 
 
 def _commands() -> list[list[str]]:
-    """Every command line in the README's bash blocks, continuation lines joined, comments dropped."""
+    """Every command line in the README's bash blocks (continuation lines joined, comments dropped)
+    and every inline `python -m ...` in its text."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0].strip()
             if line and not line.startswith("#"):
                 out.append(shlex.split(line))
+    text = re.sub(r"```.*?```", "", README, flags=re.S)
+    out += [shlex.split(span) for span in re.findall(r"`(python -m [^`]+)`", text)]
     return out
 
 
@@ -69,9 +72,7 @@ def _as_number(value: str):
 
 
 def _run(module: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_every_checkpoint_subcommand_exists():
