@@ -232,8 +232,9 @@ class TransformerConfig:
         if self.moe_every > n:
             bad("moe_every", self.moe_every, f"larger than n_layers={n}, so no block would be MoE; use 0 for dense")
         if self.moe_every and not any(self.is_moe_block(i) for i in range(n)):
-            name = "first_k_dense" if not any(self.is_moe_block(i) for i in range(self.first_k_dense, n)) else ""
-            name = name or "dense_layers"
+            # blame first_k_dense when it alone leaves no MoE block, else dense_layers
+            alone = any((i + 1) % self.moe_every == 0 for i in range(self.first_k_dense, n))
+            name = "dense_layers" if alone else "first_k_dense"
             bad(name, getattr(self, name), "leaves no block MoE; use moe_every=0 for a dense model")
 
     def is_moe_block(self, i: int) -> bool:
