@@ -141,7 +141,7 @@ class TransformerConfig:
             bad("attention", self.attention, f"expected one of {ATTENTIONS}")
         if self.qk_norm not in QK_NORMS:
             bad("qk_norm", self.qk_norm, f"expected one of {QK_NORMS}")
-        for name in ("qkv_bias", "rope_interleave", "rope_truncate", "tie_embeddings", "checkpoint_activations"):
+        for name in ("qkv_bias", "rope_interleave", "rope_truncate"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, getattr(self, name), "expected true or false")
         if self.attention == "mla":
@@ -383,7 +383,9 @@ class Transformer(nn.Module):
 
         ``doc_ids``: ``[B, L]`` integers, one per token, for sequences packed from several documents:
         a token attends only to the earlier tokens of its own document (a run of equal ids), and
-        rotary positions restart at each document, so each document is computed as if alone.
+        rotary positions restart at each document, so each document is computed as if alone (the
+        scores depend on position differences only; the restart keeps each document's angles, and
+        so their rounding, those of the document alone)
         ``None``: one document per sequence, on the causal kernel without a mask."""
         lo, hi = self.layer_range
         B, L = x.shape[:2]

@@ -398,3 +398,15 @@ def test_frequencies_match_transformers():
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu")
         torch.testing.assert_close(inv_frequencies(dim, spec), inv_freq, rtol=0, atol=0, msg=str(params))
         assert spec.attention_scale() == pytest.approx(attention_factor, rel=1e-12), params
+
+
+def test_document_positions_restart():
+    # rotary scores depend on position differences only, so a document's logits cannot show
+    # whether its positions restart (a shift changes rounding, not values): checked here directly
+    from moe.rope import document_positions
+
+    docs = torch.cat([DOCS, torch.tensor([[1, 1, 2, 1, 1, 1, 3, 3, 3, 3, 0]])])  # a reused id is a new document
+    seg, pos = naive_documents(docs.tolist(), 3, L)
+    segment_BL, pos_BL = document_positions(docs)
+    assert segment_BL.tolist() == seg and pos_BL.tolist() == pos
+    assert pos_BL[2].tolist() == [0, 1, 0, 0, 1, 2, 0, 1, 2, 3, 0]
