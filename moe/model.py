@@ -25,7 +25,7 @@ map each family onto them):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -86,7 +86,9 @@ class TransformerConfig:
     norm_eps: float = 1e-5  # every RMSNorm's (blocks, final, q/k norms, MLA's latent norms)
     init_std: float = 0.02
     first_k_dense: int = 0  # the first k blocks are dense (DeepSeek's first_k_dense_replace)
-    dense_layers: list[int] = field(default_factory=list)  # blocks that are dense (Qwen's mlp_only_layers)
+    # blocks that are dense (Qwen's mlp_only_layers); a plain None default, not a default_factory,
+    # so the Hydra schema's fields all have a value
+    dense_layers: list[int] | None = None
 
     # attention
     attention: str = "mha"  # mha: multi-head / grouped-query; mla: DeepSeek's multi-head latent attention
@@ -222,11 +224,13 @@ class TransformerConfig:
             bad("moe_every", self.moe_every, "expected an integer >= 0 (0 means fully dense)")
         if not _is_int(self.first_k_dense) or self.first_k_dense < 0:
             bad("first_k_dense", self.first_k_dense, "expected an integer >= 0")
-        if not isinstance(self.dense_layers, (list, tuple)) or not all(_is_int(i) for i in self.dense_layers):
-            bad("dense_layers", self.dense_layers, "expected a list of block indices")
-        self.dense_layers = list(self.dense_layers)
-        if any(not 0 <= i < n for i in self.dense_layers) or len(set(self.dense_layers)) != len(self.dense_layers):
-            bad("dense_layers", self.dense_layers, f"expected distinct block indices in [0, n_layers={n})")
+        dense = self.dense_layers
+        if dense is not None:
+            if not isinstance(dense, (list, tuple)) or not all(_is_int(i) for i in dense):
+                bad("dense_layers", dense, "expected a list of block indices, or null")
+            self.dense_layers = dense = list(dense)
+            if any(not 0 <= i < n for i in dense) or len(set(dense)) != len(dense):
+                bad("dense_layers", dense, f"expected distinct block indices in [0, n_layers={n})")
         if self.moe_every and self.moe is None:
             bad("moe", None, f"moe_every={self.moe_every} needs an MoEConfig (or moe_every=0 for a dense model)")
         if self.moe_every > n:
@@ -242,7 +246,7 @@ class TransformerConfig:
             self.moe_every > 0
             and (i + 1) % self.moe_every == 0
             and i >= self.first_k_dense
-            and i not in self.dense_layers
+            and i not in (self.dense_layers or ())
         )
 
     @property
