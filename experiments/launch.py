@@ -42,9 +42,6 @@ def rendezvous_port() -> int:
     return store.port
 
 
-free_port = rendezvous_port  # the benchmarks' name for it: the port is served, not merely free
-
-
 def init_process_group_on(
     port: int, rank: int, world: int, backend: str, timeout_s: float, rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S
 ) -> None:
