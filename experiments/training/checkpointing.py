@@ -274,7 +274,7 @@ def saved_model_config(checkpoint: str | Path):
     """The ``TransformerConfig`` the run that saved ``checkpoint`` trained (its ``config.yaml``)."""
     from omegaconf import OmegaConf
 
-    from experiments.train import model_config  # not at import time: experiments.train imports this module
+    from experiments.training.loop import model_config  # not at import time: the loop imports this module
 
     path = Path(checkpoint) / "config.yaml"
     if not path.is_file():

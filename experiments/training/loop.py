@@ -33,11 +33,11 @@ from tqdm.auto import tqdm
 import moe
 import routing_kernels
 import zero
-from experiments import schema  # the config schema (Hydra's ConfigStore) and the ${div:} resolver
-from experiments.checkpoint import TrainCheckpoints, check_checkpoint_cfg
-from experiments.data import LMData, build_data
-from experiments.nonfinite import StepGuard
-from experiments.tracking import MetricsFile, finite_or_none, hydra_job_info, make_tracker, to_json
+from experiments.training import schema  # the config schema (Hydra's ConfigStore) and the ${div:} resolver
+from experiments.training.checkpointing import TrainCheckpoints, check_checkpoint_cfg
+from experiments.training.data import LMData, build_data
+from experiments.training.nonfinite import StepGuard
+from experiments.training.tracking import MetricsFile, finite_or_none, hydra_job_info, make_tracker, to_json
 from moe.model import Transformer, TransformerConfig
 from routing_kernels.runtime import first_pass_weight
 from zero.pipeline import Pipeline, PipelinePlan, plan_pipeline
@@ -628,7 +628,7 @@ def train(
     return summary
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path="../../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
