@@ -275,7 +275,7 @@ def _trainer(rank, world, args, q):
 
     from hydra import compose, initialize_config_dir
 
-    from experiments.train import train
+    from experiments.training.loop import train
 
     init_rank(rank, world, args.port, timeout_s=600)
     torch.set_num_threads(1)
