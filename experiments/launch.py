@@ -1,4 +1,4 @@
-"""Start benchmark ranks on one machine: a rendezvous port, and each rank's device and process group.
+"""Start benchmark and test ranks on one machine: a rendezvous port, and each rank's device and process group.
 
 torch only (no hydra or wandb), so the benchmarks run on a GPU box that has just torch and triton.
 
