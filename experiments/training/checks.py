@@ -1,6 +1,6 @@
 """What the schema cannot check in the trainer's own keys: ranges and cross-field rules, each
-section in one function here, all run once by ``check_config`` before any collective, so every
-rank stops with the same message naming the key.
+section in one function here, all run once by ``check_config`` as soon as the layout exists and
+before the ranks compare their configs, so every rank stops with the same message naming the key.
 
 The other sections are checked once each where they are turned into objects, since only that code
 knows its rules:

@@ -99,14 +99,16 @@ class Trainer:
         self.unigram = data.unigram_entropy("val")
         self.ckpts = TrainCheckpoints(cfg, self.engine, layout, run_dir)
         try:
-            self._resume_and_track(all_layers, layer_index)
+            self._prepare_run(all_layers, layer_index)
         except BaseException:  # the signal handlers and the checkpoint thread are not left behind
             self.ckpts.close()
             raise
         if self.rank0:
             self._describe()
 
-    def _resume_and_track(self, all_layers: list, layer_index: dict) -> None:
+    def _prepare_run(self, all_layers: list, layer_index: dict) -> None:
+        """What the loop starts from: the checkpoint's state, the tracker and metrics.jsonl, the MoE
+        statistics hooks, and the step's constants (micro-batches, forwards, tokens)."""
         cfg, tcfg, layout, device = self.cfg, self.tcfg, self.layout, self.device
         # weights, optimizer, buffers and RNG are loaded; the loop's own state comes back here
         self.resumed = self.ckpts.resume() or {}
