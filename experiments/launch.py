@@ -1,4 +1,4 @@
-"""Start benchmark ranks on one machine: a rendezvous port, and each rank's device and process group.
+"""Start benchmark and test ranks on one machine: a rendezvous port, and each rank's device and process group.
 
 torch only (no hydra or wandb), so the benchmarks run on a GPU box that has just torch and triton.
 
@@ -40,9 +40,6 @@ def rendezvous_port() -> int:
     store = start_rendezvous()
     _SERVED.append(store)
     return store.port
-
-
-free_port = rendezvous_port  # the benchmarks' name for it: the port is served, not merely free
 
 
 def init_process_group_on(

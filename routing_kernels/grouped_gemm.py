@@ -47,7 +47,7 @@ def accepts(x_SD: torch.Tensor, *weights: torch.Tensor) -> bool:
 def preferred(x_SD: torch.Tensor, w1_XDF: torch.Tensor) -> bool:
     """Where it was measured to win and checked to agree with the loop: bf16 on a Hopper GPU
     (sm_90), 2.3-28x faster than the per-expert loop at fine-grained shapes and on par at Mixtral's
-    (``python -m experiments.bench_moe_layer --device cuda --grouped-mm``)."""
+    (``python -m experiments.bench.moe_layer --device cuda --grouped-mm``)."""
     return (
         x_SD.is_cuda
         and x_SD.dtype == torch.bfloat16

@@ -37,6 +37,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def stdlib():
     """The embedded stdlib corpus, cached under $SWITCHYARD_CACHE or ~/.cache/switchyard after the first read."""
-    from experiments.data import load_stdlib
+    from experiments.training.data import load_stdlib
 
     return load_stdlib()

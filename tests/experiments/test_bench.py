@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.bench_moe_layer import ideal_expert_flops, make_layer, measure_side_by_side
+from experiments.bench.layers import make_layer
+from experiments.bench.moe_layer import ideal_expert_flops, measure_side_by_side
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -27,7 +28,7 @@ def test_bench_hf_steps_every_model_on_the_same_weights():
     pytest.importorskip("transformers")
     from contextlib import nullcontext
 
-    from experiments.bench_hf import layer_floor, make_step, measure, models_for, moe_blocks, moe_share
+    from experiments.bench.hf import layer_floor, make_step, measure, models_for, moe_blocks, moe_share
 
     for arch in ("mixtral", "deepseek_v3"):
         models = models_for(arch, layers=1, seq=12, sizes=(16, 8, 8, 2), vocab=50, heads=2)
@@ -53,7 +54,7 @@ def test_bench_hf_steps_every_model_on_the_same_weights():
 def test_base_step_spec_matches_the_config_tree():
     # the GPU box runs the MFU step without hydra, from plain values that must stay model=base's
     pytest.importorskip("hydra")
-    from experiments.bench_moe_layer import BASE
+    from experiments.bench.moe_layer import BASE
     from tests.support.training import cfg_of
 
     cfg = cfg_of("model=base", "data=tokens")
@@ -65,7 +66,7 @@ def test_base_step_spec_matches_the_config_tree():
 
 
 def test_training_step_mfu_runs_on_a_tiny_model():
-    from experiments.bench_moe_layer import TINY, train_step_mfu
+    from experiments.bench.moe_layer import TINY, train_step_mfu
 
     r = train_step_mfu(TINY, 2, 16, torch.device("cpu"), torch.float32, compile_blocks=False, reps=1, matmul_n=64)
     assert r["step_s"] > 0 and r["model_flops"] > 6 * r["params"]["active"] * 32 and 0 < r["mfu"]

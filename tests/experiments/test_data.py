@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.data import LMData, build_data, load_stdlib, load_text, load_tokens, split_files, stdlib_path
+from experiments.training.data import LMData, build_data, load_stdlib, load_text, load_tokens, split_files, stdlib_path
 
 
 def _folder(tmp_path, n=40):

@@ -116,8 +116,8 @@ def metric_rows(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from experiments.data import build_data
     from experiments.train import train
+    from experiments.training.data import build_data
 
     seed = kill_seed()
     kills = draw_kills(seed)
@@ -308,7 +308,7 @@ def test_submitit_requeues_a_preempted_job_after_its_save_and_the_requeued_job_r
 
 
 def test_the_preemption_signals_in_and_out_of_a_submitit_job():
-    from experiments.checkpoint import preemption_signals
+    from experiments.training.preemption import preemption_signals
 
     term, usr1, usr2 = signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2
     assert preemption_signals({}) == (term, usr1)
@@ -328,7 +328,7 @@ def test_a_kill_right_after_a_resume_loses_no_metrics_row(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)) + '{"step": 9, "lo')
     code = (
-        "import os, sys; from experiments.tracking import MetricsFile; "
+        "import os, sys; from experiments.training.tracking import MetricsFile; "
         "m = MetricsFile(sys.argv[1], keep_until=6); os._exit(9)"
     )
     p = subprocess.run(
@@ -342,7 +342,7 @@ def test_a_kill_right_after_a_resume_loses_no_metrics_row(tmp_path):
     assert p.returncode == 9, p.stderr
     assert [r["step"] for r in metric_rows(tmp_path)] == list(range(1, 7))
     # and the next resume appends after them (the row cut short by the kill was dropped)
-    from experiments.tracking import MetricsFile
+    from experiments.training.tracking import MetricsFile
 
     m = MetricsFile(path, keep_until=6)
     m.write({"step": 7, "loss": 0.5})

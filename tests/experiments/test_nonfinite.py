@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-import experiments.train as train_mod
-from experiments.nonfinite import NonFiniteError
+import experiments.training.loop as train_mod
 from experiments.train import train
+from experiments.training.nonfinite import NonFiniteError
 from moe import scale_aux_losses
 from tests.support.dist import run_distributed
 from tests.support.training import LOSS_RTOL, SHORT, WEIGHT_ATOL, assemble_weights, cfg_of, metrics_rows
@@ -242,7 +242,7 @@ def strict_rows(run_dir):
 
 
 def _train_rank(rank, world, runs):
-    from experiments.data import load_stdlib
+    from experiments.training.data import load_stdlib
 
     data, out = load_stdlib(), []  # read once (from the cache the stdlib fixture built), not once per run
     for overrides, run_dir, nan_steps in runs:

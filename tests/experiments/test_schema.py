@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from experiments import schema
+from experiments.training import schema
 from moe import MoEConfig
 from moe.model import TransformerConfig
 

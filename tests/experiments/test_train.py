@@ -18,7 +18,9 @@ from omegaconf.errors import MissingMandatoryValue
 
 import routing_kernels
 import zero
-from experiments.train import build_engine, build_model, lr_at, train
+from experiments.train import train
+from experiments.training.build import build_engine, build_model
+from experiments.training.optim import lr_at
 from tests.support.dist import run_distributed
 from tests.support.paths import CONF, ROOT
 from tests.support.training import SHORT, TINY, assemble_weights, cfg_of, check_same_training, metrics_rows, run
@@ -185,7 +187,7 @@ def test_grad_accum_trains_the_same_batch(tmp_path, stdlib):
 
 def _layout_runs(rank, world, runs, run_dirs):
     """Each run's summary with this rank's final weights, and the training rows this rank drew at step 0."""
-    from experiments.data import LMData
+    from experiments.training.data import LMData
 
     torch.set_num_threads(1)
     drawn = []

@@ -301,7 +301,8 @@ def _init_from_rank(rank, world, runs, run_dirs):
 
 @pytest.mark.distributed
 def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
-    from experiments.train import build_model, train
+    from experiments.train import train
+    from experiments.training.build import build_model
     from tests.support.dist import run_distributed
 
     torch.manual_seed(3)
@@ -333,7 +334,7 @@ def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
 
 
 def test_init_from_names_the_mismatch(tmp_path):
-    from experiments.train import build_model
+    from experiments.training.build import build_model
 
     transformers.MixtralConfig(**dict(TRAIN_MX, num_local_experts=4)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"moe\.num_experts=8 \(checkpoint: num_local_experts=4\)"):
@@ -350,7 +351,8 @@ def test_export_hf_turns_a_training_checkpoint_into_a_mixtral_directory(tmp_path
     import weakref
 
     from experiments import checkpoint as ec
-    from experiments.train import build_model, train
+    from experiments.train import train
+    from experiments.training.build import build_model
 
     cfg = cfg_of(*EXPORT_RUN)
     run = train(cfg, run_dir=tmp_path / "run", data=stdlib, keep_weights=True)

@@ -187,7 +187,7 @@ def test_checkpointed_compiled_blocks_count_statistics_once():
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_train_compile_curve_equals_eager(tmp_path, monkeypatch, zero_stage):
     hydra = pytest.importorskip("hydra")  # noqa: F841 (the trainer's config tree)
-    from experiments.data import load_stdlib
+    from experiments.training.data import load_stdlib
     from tests.support.training import cfg_of, run
 
     compile_blocks = Transformer.compile_blocks

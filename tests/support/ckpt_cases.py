@@ -185,7 +185,7 @@ TRAIN = [
 def train_cfg(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from experiments import schema  # noqa: F401  (registers the schema)
+    from experiments.training import schema  # noqa: F401  (registers the schema)
 
     conf = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
@@ -197,7 +197,7 @@ def signal_at(step: int, signum: int):
     batch of step index ``step`` (so that step runs to its end with the signal pending)."""
     import os
 
-    from experiments.data import LMData
+    from experiments.training.data import LMData
 
     original = LMData.get_batch
 
@@ -222,8 +222,8 @@ def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
     import functools
     import signal
 
-    from experiments.data import build_data
     from experiments.train import train as train_on
+    from experiments.training.data import build_data
 
     torch.set_num_threads(1)
     cfg = train_cfg()

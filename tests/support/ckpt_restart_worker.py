@@ -71,7 +71,7 @@ def install(spec: str, rank: int) -> None:
         _Writer.write_data = write_and_die
         return
     # the training step being taken (1-based): the batch drawn last for the train split
-    from experiments.data import LMData
+    from experiments.training.data import LMData
 
     current = [0]
     get_batch = LMData.get_batch

@@ -357,8 +357,8 @@ TRAIN_WEIGHT_ATOL = 1e-5
 def trainer_runs(tmp_path_factory):
     import functools
 
-    from experiments.data import build_data
     from experiments.train import train
+    from experiments.training.data import build_data
 
     cfg = cc.train_cfg()
     train = functools.partial(
@@ -472,7 +472,7 @@ def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_pat
     from safetensors.torch import load_file
 
     from experiments.checkpoint import main as checkpoint_cli
-    from experiments.train import build_model
+    from experiments.training.build import build_model
 
     root, single, _, _, _ = trainer_runs
     # one process: exactly the weights it trained; ep2 + ZeRO-3 on 2 ranks: the same within rounding
@@ -518,8 +518,8 @@ def test_zero_checkpoint_imports_without_moe_or_hydra():
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     import wandb
 
-    from experiments.data import build_data
     from experiments.train import train
+    from experiments.training.data import build_data
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_SERVICE", raising=False)  # a service of this test's own (tests/test_train.py)

@@ -133,7 +133,7 @@ def test_init_distributed_single_task_and_batch_script(monkeypatch, no_scontrol)
 def test_slurm_launcher_config_composes():
     # what Hydra's plugin discovery does before a command-line run: register the plugin's configs
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher.config")
-    from experiments import schema  # noqa: F401  (registers the trainer's structured configs, as experiments.train does)
+    from experiments.training import schema  # noqa: F401  (registers the trainer's structured configs, as experiments.train does)
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
@@ -146,7 +146,7 @@ def test_slurm_launcher_config_composes():
 
 def test_multirun_through_the_submitit_local_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    from experiments.data import load_stdlib
+    from experiments.training.data import load_stdlib
     from tests.support.training import TINY
 
     load_stdlib()  # the data cache exists before the two jobs start

@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as nnf
 
 import moe
-from experiments.train import _check_train_cfg, build_plan, train
+from experiments.train import train
+from experiments.training.build import build_plan
+from experiments.training.checks import check_config
 from moe.model import Transformer, TransformerConfig
 from tests.support.dist import RankExited, run_distributed
 from tests.support.training import SHORT, assemble_weights, cfg_of, metrics_rows, run
@@ -158,7 +160,7 @@ def test_trainer_names_the_parallel_keys_before_any_process_group():
         ValueError,
         match=r"train.batch_size=8 must be divisible by dp=1 x train.grad_accum=1 x parallel.pp_microbatches=3",
     ):
-        _check_train_cfg(cfg, Layout(world=2, pp=2, dp=1), build_plan(cfg))
+        check_config(cfg, Layout(world=2, pp=2, dp=1), build_plan(cfg))
     # one process cannot hold two stages: refused by the numbers, not by a hang
     with pytest.raises(ValueError, match=r"world size 1 is not divisible by pp=2"):
         train(cfg_of(*SHORT, "parallel=pp2"))
@@ -344,7 +346,7 @@ def _aux_only(rank, world, cases):
 
 def _aux_only_case(schedule, virtual, m):
     """Router gradients with the cross-entropy zeroed: only the aux losses (scaled 1/m) remain."""
-    from experiments.train import split_model
+    from experiments.training.build import split_model
     from zero import ZeroEngine, default_blocks
     from zero.pipeline import Pipeline
 
@@ -470,9 +472,9 @@ def test_two_torchrun_nodes_one_stage_each(tmp_path, stdlib):
 
 
 def test_schedules_table_is_what_the_trainer_offers():
-    from experiments.schema import ParallelConfig
+    from experiments.training.schema import ParallelConfig
 
-    doc = Path(ROOT / "experiments" / "schema.py").read_text()
+    doc = Path(ROOT / "experiments" / "training" / "schema.py").read_text()
     for name in SCHEDULES:
         assert name in doc, name
     assert ParallelConfig().pp_schedule in SCHEDULES

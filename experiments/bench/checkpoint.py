@@ -1,13 +1,13 @@
 """Sharded checkpoint benchmark (``zero.checkpoint``): save and load time per rank, bytes written,
 write throughput against a plain file write, and the training stall of an async save.
 
-    python -m experiments.bench_checkpoint [--world 2] [--ep 2] [--stage 3] [--d-model 256] [--reps 3] [--dir /tmp/x]
+    python -m experiments.bench.checkpoint [--world 2] [--ep 2] [--stage 3] [--d-model 256] [--reps 3] [--dir /tmp/x]
 
 Every rank builds the same MoE transformer (``moe.model.Transformer``) under the layout, takes one
 AdamW step (so the optimizer state exists) and then, all ranks together:
 
-- save (sync): ``zero.checkpoint.save`` (manifest included) into a new directory, ``--reps`` times; per rank the time until
-  its save returned (the slowest rank's is the checkpoint's time), median over the reps;
+- save (sync): ``zero.checkpoint.save`` (manifest included) into a new directory, ``--reps`` times;
+  per rank the time until its save returned (the slowest rank's is the checkpoint's time), median over the reps;
 - bytes: the data files written against ``zero.predict_memory``'s model-state bytes of the state a
   checkpoint holds (fp32 weights + Adam moments, each rank's ZeRO-3 share, summed over the ranks);
 - throughput: after each save, each rank writes as many bytes to one file (one ``write`` of a
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zero
-from experiments.launch import free_port, init_rank
+from experiments.launch import init_rank, rendezvous_port
 from moe import MoEConfig
 from moe.model import Transformer, TransformerConfig
 from zero import checkpoint as zc
@@ -171,7 +171,7 @@ def main(argv=None):
             _run(0, 1, 0, args, q)
         else:
             mp.start_processes(
-                _run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True
+                _run, args=(args.world, rendezvous_port(), args, q), nprocs=args.world, start_method="spawn", join=True
             )
         rows = dict(q.get() for _ in range(args.world))
     finally:
@@ -182,21 +182,25 @@ def main(argv=None):
     save = max(x["save"] for x in r)
     print(
         f"{r[0]['params'] / 1e6:.1f}M parameters, world {args.world} (ep {args.ep}, ZeRO-{args.stage}"
-        f"{', offload' if args.offload else ''}), {'nccl' if torch.cuda.is_available() else 'gloo'}, median of {args.reps}"
+        f"{', offload' if args.offload else ''}), {'nccl' if torch.cuda.is_available() else 'gloo'}, "
+        f"median of {args.reps}"
     )
     print(
-        "| rank | save (s) | verify (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain | async stall (s) | stall / sync save |"
+        "| rank | save (s) | verify (s) | load (s) | written (MB) | plain write (s) | write throughput vs plain "
+        "| async stall (s) | stall / sync save |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for i, x in enumerate(r):
         print(
-            f"| {i} | {x['save']:.2f} | {x['digest']:.2f} | {x['load']:.2f} | {x['written'] / 1e6:.1f} | {x['plain']:.2f} | "
+            f"| {i} | {x['save']:.2f} | {x['digest']:.2f} | {x['load']:.2f} | {x['written'] / 1e6:.1f} "
+            f"| {x['plain']:.2f} | "
             f"{x['plain'] / x['save']:.2f} | {x['stall']:.3f} | {x['stall'] / x['save']:.2f} |"
         )
     print(
         f"bytes written {written / 1e6:.1f} MB vs predict_memory's model state (fp32 weights + Adam moments) "
         f"{predicted / 1e6:.1f} MB: {written / predicted:.3f}x; checkpoint save {save:.2f} s "
-        f"({written / save / 1e6:.0f} MB/s over all ranks); async save in the background {max(x['async_total'] for x in r):.2f} s"
+        f"({written / save / 1e6:.0f} MB/s over all ranks); async save in the background "
+        f"{max(x['async_total'] for x in r):.2f} s"
     )
 
 

@@ -1,6 +1,6 @@
 """Expert parallelism against plain data parallelism (torch DDP), measured in one launch.
 
-    python -m experiments.bench_ep [--world 2] [--steps 10]
+    python -m experiments.bench.ep [--world 2] [--steps 10]
 
 Both runs train the same MoE stack on the same global batch: DDP replicates every expert on every
 rank and all-reduces all gradients; EP holds E/ep experts per rank, moves tokens by All-to-All and
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from experiments.launch import free_port, init_rank
+from experiments.launch import init_rank, rendezvous_port
 
 
 class MoEStack(nn.Module):
@@ -127,7 +127,7 @@ def main(argv=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     mp.start_processes(
-        _run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True
+        _run, args=(args.world, rendezvous_port(), args, q), nprocs=args.world, start_method="spawn", join=True
     )
     res = q.get()
     tokens = args.world * args.tokens_per_rank
@@ -135,7 +135,8 @@ def main(argv=None):
     ep_t, ep_a2a = res["ep"]
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     print(
-        f"world={args.world} ({backend}), {args.layers} MoE layers, D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k}, {args.tokens_per_rank} tokens/rank"
+        f"world={args.world} ({backend}), {args.layers} MoE layers, D={args.d_model} F={args.d_ff} E={args.experts} "
+        f"k={args.top_k}, {args.tokens_per_rank} tokens/rank"
     )
     print("| layout | step (ms) | tokens/s | vs DDP | All-to-All share |")
     print("|---|---|---|---|---|")

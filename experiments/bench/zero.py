@@ -1,6 +1,6 @@
 """Switchyard ZeRO stages 1-3 against torch DDP and torch FSDP2 (``fully_shard``), in one launch.
 
-    python -m experiments.bench_zero [--world 2] [--steps 10] [--contenders FSDP2 1 2 3] [--keep-freed-memory]
+    python -m experiments.bench.zero [--world 2] [--steps 10] [--contenders FSDP2 1 2 3] [--keep-freed-memory]
 
 Every contender trains the same residual MLP (default 12.6M parameters: 6 blocks of
 Linear(512, 2048) -> GELU -> Linear(2048, 512)) with AdamW in fp32 on the same per-rank batch.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from experiments.launch import free_port, init_rank
+from experiments.launch import init_rank, rendezvous_port
 
 
 class Block(nn.Module):
@@ -186,7 +186,7 @@ def main(argv=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     mp.start_processes(
-        _run, args=(args.world, free_port(), args, q), nprocs=args.world, start_method="spawn", join=True
+        _run, args=(args.world, rendezvous_port(), args, q), nprocs=args.world, start_method="spawn", join=True
     )
     n_params, best, mem = q.get()
     ddp = best["DDP"]

@@ -1,6 +1,6 @@
 """Benchmark: the Triton routing kernels and fused AdamW against the memory-bandwidth limit.
 
-    python -m experiments.bench_kernels [--tokens 65536] [--dim 4096] [--topk 2] [--experts 64]
+    python -m experiments.bench.kernels [--tokens 65536] [--dim 4096] [--topk 2] [--experts 64]
                                         [--adam-params 1e9] [--no-sweep] [--json results.json]
 
 Each op is reported as achieved bandwidth (the bytes it must move / its time) as a fraction of a
@@ -10,8 +10,8 @@ for AdamW, over torch's own fused AdamW, ``torch._fused_adamw_``, the kernel beh
 reference on the same inputs; the table shows the largest error.
 
 On a machine without CUDA it times the torch references only, at small sizes, and says so.
-It imports only torch, triton and ``routing_kernels`` (no hydra, no wandb), so it runs unchanged on
-a GPU box that has nothing else installed.
+It imports only torch, triton, ``routing_kernels`` and ``experiments.bench.timing`` (no hydra, no
+wandb), so it runs unchanged on a GPU box that has nothing else installed.
 
 Shapes follow the project's legend (docs/design.md).
 Bytes counted (minimum traffic, every tensor read or written once):
@@ -27,54 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 import routing_kernels as rk
+from experiments.bench.timing import time_cpu, time_cuda
 from routing_kernels import reference as ref
-
-# --- timing -------------------------------------------------------------------------------------
-
-
-def _time_cpu(fn, min_reps: int = 3, min_seconds: float = 0.3) -> float:
-    fn()  # warm-up
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_reps or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _time_cuda(fn, rep_ms: int = 200) -> float:
-    """Median seconds per call; triton's do_bench flushes L2 between calls, so large ops are
-    measured from DRAM (our sizes are far beyond L2 anyway)."""
-    try:
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
-    except ImportError:
-        pass
-    return cuda_event_median(fn, 20)
-
-
-def cuda_event_median(fn, reps: int) -> float:
-    """Median seconds per call over ``reps`` calls after one warm-up, timed with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 class Bench:
@@ -94,7 +53,7 @@ class Bench:
         self.sweep_rows.append(dict(op=op, config=config, bytes=nbytes, t=t))
 
     def time(self, fn) -> float:
-        return _time_cuda(fn) if self.cuda else _time_cpu(fn)
+        return time_cuda(fn) if self.cuda else time_cpu(fn)
 
     def copy_bandwidth(self, nbytes: int) -> float:
         """Bytes/s of a plain device-to-device copy (read + write counted), the denominator."""
@@ -412,7 +371,7 @@ def bench_adamw(b: Bench, N: int, use_triton: bool):
 
 
 def odd_size_checks(device) -> list[str]:
-    """The masks and edge cases of tests/test_kernels.py, on this device (the tests themselves run
+    """The masks and edge cases of tests/kernels/test_triton_ops.py, on this device (the tests themselves run
     under the CPU interpreter). Returns a line per failure."""
     from routing_kernels import triton_ops as tops
 

@@ -1,7 +1,7 @@
 """Pipeline schedules: measured bubble against theory, peak activation memory per stage, and the
 cost of pp2 x ep2 x ZeRO-3 against pp=1 ZeRO-3 on the same 4 ranks.
 
-    python -m experiments.bench_pipeline [--op-ms 20] [--steps 3] [--pp 2 4] [--microbatches 4 8] [--skip-trainer]
+    python -m experiments.bench.pipeline [--op-ms 20] [--steps 3] [--pp 2 4] [--microbatches 4 8] [--skip-trainer]
 
 Part 1 (schedules). Every stage costs the same and every pass of every micro-batch takes a fixed
 time: each layer's forward, input-gradient and weight-gradient passes each hold the CPU-free wait of
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from experiments.launch import free_port, init_rank
+from experiments.launch import init_rank, rendezvous_port
 from zero import Layout, ZeroEngine
 from zero.pipeline import SCHEDULES, Pipeline, plan_pipeline
 
@@ -275,7 +275,7 @@ def _trainer(rank, world, args, q):
 
     from hydra import compose, initialize_config_dir
 
-    from experiments.train import train
+    from experiments.training.loop import train
 
     init_rank(rank, world, args.port, timeout_s=600)
     torch.set_num_threads(1)
@@ -295,7 +295,7 @@ def _trainer(rank, world, args, q):
         ("pp=1 ZeRO-3 ep=2 (dp=4)", ["parallel.ep=2", "parallel.zero_stage=3"]),
         ("pp=2 x ZeRO-3 ep=2 (dp=2)", ["parallel=pp2_ep2_zero3"]),
     ):
-        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
             cfg = compose("train", overrides=[*base, *overrides])
         summary = train(cfg)
         results[name] = summary["tokens_per_s"]
@@ -307,13 +307,13 @@ def _trainer(rank, world, args, q):
 def _launch(fn, world, args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    args.port = free_port()
+    args.port = rendezvous_port()
     mp.start_processes(fn, args=(world, args, q), nprocs=world, start_method="spawn", join=True)
     return q.get()
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_pipeline", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench.pipeline", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--op-ms", type=float, default=50.0, help="time of each layer's forward, input- and weight-gradient pass"
     )
@@ -333,7 +333,8 @@ def main(argv=None):
         f"peak activations in micro-batches' worth per stage (ranks 0..p-1)"
     )
     print(
-        "| schedule | p | m | closed form | torch's plan, simulated | measured | within 0.05 | peak activations per rank |"
+        "| schedule | p | m | closed form | torch's plan, simulated | measured | within 0.05 "
+        "| peak activations per rank |"
     )
     print("|---|---|---|---|---|---|---|---|")
     peaks = {}
@@ -347,7 +348,8 @@ def main(argv=None):
             ok = "yes" if abs(measured - (ideal if closed is None else closed)) <= 0.05 else "no"
             closed, ideal = ("-" if x is None else f"{x:.3f}" for x in (closed, ideal))
             print(
-                f"| {schedule} | {world} | {m} | {closed} | {ideal} | {measured:.3f} | {ok} | {', '.join(f'{x:.1f}' for x in peak)} |"
+                f"| {schedule} | {world} | {m} | {closed} | {ideal} | {measured:.3f} | {ok} "
+                f"| {', '.join(f'{x:.1f}' for x in peak)} |"
             )
     for p in args.pp:
         if ("gpipe", p, 8) in peaks and ("1f1b", p, 8) in peaks:

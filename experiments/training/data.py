@@ -103,6 +103,12 @@ class LMData:
 # ----------------------------------------------------------------------------- text sources
 
 
+def check_val_fraction(val_fraction: float) -> None:
+    """``data.val_fraction``, which every loader takes: a share of a split, strictly between 0 and 1."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+
+
 def _unit_hash(rel_path: str, split_seed: int) -> float:
     # a file's place in [0, 1) depends on its relative path only, not on the machine or the order
     h = hashlib.sha256(f"{split_seed}:{rel_path}".encode()).digest()
@@ -111,8 +117,7 @@ def _unit_hash(rel_path: str, split_seed: int) -> float:
 
 def split_files(rel_paths: list[str], val_fraction: float, split_seed: int = 0) -> tuple[list[str], list[str]]:
     """Deterministic by-file split; both sides non-empty when there are at least two files."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+    check_val_fraction(val_fraction)
     u = {p: _unit_hash(p, split_seed) for p in rel_paths}
     val = sorted(p for p in rel_paths if u[p] < val_fraction)
     train = sorted(p for p in rel_paths if u[p] >= val_fraction)
@@ -175,8 +180,7 @@ def load_text(
         data = root.read_bytes()
         if not data:
             raise ValueError(f"data path {str(root)!r} is empty")
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+        check_val_fraction(val_fraction)
         arr = np.frombuffer(data, dtype=np.uint8)
         cut = int(len(arr) * (1 - val_fraction))
         return LMData(arr[:cut], arr[cut:], 256, name, seed, {"files": 1, "split": "by byte (single file)"})
@@ -250,8 +254,8 @@ def _check_vocab(arr: np.ndarray, vocab_size: int, path: Path) -> None:
     if top >= vocab_size:
         where = int(np.argmax(np.asarray(arr) >= vocab_size))
         raise ValueError(
-            f"token file {str(path)!r} holds token id {top} (first out-of-range id {int(arr[where])} at index {where}), "
-            f"beyond the vocabulary (data.vocab_size={vocab_size}); set data.vocab_size > {top}"
+            f"token file {str(path)!r} holds token id {top} (first out-of-range id {int(arr[where])} "
+            f"at index {where}), beyond the vocabulary (data.vocab_size={vocab_size}); set data.vocab_size > {top}"
         )
 
 
@@ -288,8 +292,7 @@ def load_tokens(path: str | os.PathLike, *, vocab_size: int, val_fraction: float
         raise ValueError(
             f"token file {str(p)!r} is empty or not a whole number of uint16 ids ({p.stat().st_size} bytes)"
         )
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+    check_val_fraction(val_fraction)
     arr = np.memmap(p, dtype=np.uint16, mode="r")
     _check_vocab(arr, vocab_size, p)
     cut = int(len(arr) * (1 - val_fraction))

@@ -1,9 +1,10 @@
 """Where a MoE layer's forward + backward spends its time: torch.profiler's top ops.
 
-    python -m experiments.profile_layer [--device cpu|cuda] [--shape S1] [--dtype bfloat16] [--steps 5]
+    python -m experiments.bench.profile_layer [--device cpu|cuda] [--shape S1] [--dtype bfloat16] [--steps 5]
 
-Shapes as in ``experiments.bench_moe_layer``. On a GPU it lists the ops by host time (launch-bound
-layers show up here) and by device time; on the CPU by time. Imports only torch and ``moe``.
+Shapes as in ``experiments.bench.moe_layer`` (``experiments.bench.layers``). On a GPU it lists the
+ops by host time (launch-bound layers show up here) and by device time; on the CPU by time. Imports
+only torch, ``moe`` and ``experiments.bench.layers``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from experiments.bench_moe_layer import GPU_SHAPES, layer_step
+from experiments.bench.layers import GPU_SHAPES, layer_step
 from moe import MoEConfig, MoELayer
 
 

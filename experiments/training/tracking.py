@@ -44,7 +44,7 @@ class Tracker:
     def log(self, metrics: dict, step: int) -> None:
         pass
 
-    def log_expert_load(self, load_LE: list[list[int]], step: int) -> None:
+    def log_expert_load(self, load_ME: list[list[int]], step: int) -> None:
         pass
 
     def finish(self, summary: dict | None = None, failed: bool = False) -> None:
@@ -78,11 +78,11 @@ class WandbTracker(Tracker):
     def log(self, metrics: dict, step: int) -> None:
         self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
 
-    def log_expert_load(self, load_LE: list[list[int]], step: int) -> None:
+    def log_expert_load(self, load_ME: list[list[int]], step: int) -> None:
         if not self.expert_load:
             return
         out = {}
-        for i, load_E in enumerate(load_LE):
+        for i, load_E in enumerate(load_ME):
             counts = np.asarray(load_E, dtype=np.float64)
             # bins are expert ids, heights the tokens each expert received since the last log:
             # the histogram panel then shows the load of every expert over time

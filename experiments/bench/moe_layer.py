@@ -1,6 +1,6 @@
 """Benchmark: forward + backward of the dropless MoELayer in fp32 on this CPU.
 
-    python -m experiments.bench_moe_layer [--shapes S1 S2] [--reps 5] [--no-phases] [--per-core]
+    python -m experiments.bench.moe_layer [--shapes S1 S2] [--reps 5] [--no-phases] [--per-core]
         [--threads N] [--cpu-time] [--keep-freed-memory]
 
 Reports, measured in the same run, the fraction of the machine's dense matmul rate the layer
@@ -42,21 +42,10 @@ import time
 import torch
 
 import routing_kernels as rk
-from experiments.bench_kernels import cuda_event_median
+from experiments.bench.layers import GPU_SHAPES, SHAPES, layer_step, make_layer
+from experiments.bench.timing import cuda_event_median, median_time
 from moe import MoEConfig, MoELayer, Transformer, TransformerConfig
 from moe.experts import DenseFFN
-
-SHAPES = {
-    # name: (T, D, F, E, K)
-    "S1": (8192, 512, 1024, 8, 2),
-    "S2": (8192, 512, 256, 64, 6),
-}
-GPU_SHAPES = {
-    **SHAPES,
-    "mixtral": (16384, 4096, 14336, 8, 2),  # Mixtral-8x7B's expert sizes
-    "fine64": (16384, 2048, 1408, 64, 6),  # DeepSeekMoE-style fine-grained experts
-}
-
 
 # wall-clock by default; --cpu-time switches to process CPU time, which on one thread leaves out the
 # time other jobs on a shared machine hold the core (with two threads it would count OpenMP spinning)
@@ -64,14 +53,7 @@ _clock = time.perf_counter
 
 
 def _median_time(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = _clock()
-        fn()
-        times.append(_clock() - t0)
-    return statistics.median(times)
+    return median_time(fn, reps, warmup, clock=_clock)  # _clock read now: --cpu-time sets it after import
 
 
 def measure_side_by_side(
@@ -131,23 +113,6 @@ def measure_side_by_side(
 def ideal_expert_flops(T: int, D: int, F: int, K: int, matmuls: int = 3) -> float:
     A = K * T
     return matmuls * 2 * A * D * F * 3
-
-
-def make_layer(T, D, F, E, K, seed=0):
-    torch.manual_seed(seed)
-    cfg = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K)
-    layer = MoELayer(cfg)
-    x_TD = torch.randn(T, D, requires_grad=True)
-    grad_TD = torch.randn(T, D)
-    return layer, x_TD, grad_TD
-
-
-def layer_step(layer, x_TD, grad_TD):
-    for p in layer.parameters():
-        p.grad = None
-    x_TD.grad = None
-    out_TD = layer(x_TD)
-    out_TD.backward(grad_TD)
 
 
 def page_faults(fn) -> int:
@@ -260,7 +225,10 @@ def _grouped_mm_probe(T, D, F, E, K, dtype, reps):
         for a, b in zip((ya, *ga), (yb, *gb))
     )
     t_loop, t_grouped = cuda_event_median(lambda: run(False), reps), cuda_event_median(lambda: run(True), reps)
-    return f"max rel diff {err:.2e}; per-expert loop {t_loop * 1e3:.2f} ms, _grouped_mm {t_grouped * 1e3:.2f} ms ({t_loop / t_grouped:.2f}x)"
+    return (
+        f"max rel diff {err:.2e}; per-expert loop {t_loop * 1e3:.2f} ms, _grouped_mm {t_grouped * 1e3:.2f} ms "
+        f"({t_loop / t_grouped:.2f}x)"
+    )
 
 
 def gpu_main(args) -> None:
@@ -298,7 +266,10 @@ def gpu_main(args) -> None:
     )
     print("| --- " * (10 + 3 * args.compile) + "|")
     for name, T, D, F, E, K, tm, flops, _ in rows:
-        line = f"| {name} | {T} | {D} | {F} | {E} | {K} | {tm['layer'] * 1e3:.2f} | {tm['dense'] * 1e3:.2f} | {tm['dense'] / tm['layer']:.2f} | {flops / tm['layer'] / 1e12:.0f} |"
+        line = (
+            f"| {name} | {T} | {D} | {F} | {E} | {K} | {tm['layer'] * 1e3:.2f} | {tm['dense'] * 1e3:.2f} "
+            f"| {tm['dense'] / tm['layer']:.2f} | {flops / tm['layer'] / 1e12:.0f} |"
+        )
         if args.compile:
             line += f" {tm['layer_c'] * 1e3:.2f} | {tm['dense_c'] * 1e3:.2f} | {tm['dense_c'] / tm['layer_c']:.2f} |"
         print(line)
@@ -311,7 +282,7 @@ def gpu_main(args) -> None:
 # --- a training step's model-FLOPs utilisation ---------------------------------------------------
 
 # model=base (conf/model/base.yaml) with moe=mixtral (conf/moe/mixtral.yaml) and data=tokens'
-# vocabulary, as plain values: the GPU box has no hydra (tests/test_bench.py checks they match)
+# vocabulary, as plain values: the GPU box has no hydra (tests/experiments/test_bench.py checks they match)
 BASE = dict(
     vocab_size=50304,
     d_model=768,
@@ -410,14 +381,16 @@ def mfu_main(args) -> None:
         n = 256
     variants = [False, True] if args.compile else [False]
     print(
-        f"training step, {'tiny' if args.tiny else 'model=base'} ({batch} x {seq_len} tokens), {args.dtype} weights, AdamW, {device}"
+        f"training step, {'tiny' if args.tiny else 'model=base'} ({batch} x {seq_len} tokens), {args.dtype} weights, "
+        f"AdamW, {device}"
     )
     print("| compiled | step (ms) | model TFLOP/step | achieved TFLOP/s | dense matmul TFLOP/s | MFU |")
     print("| --- | --- | --- | --- | --- | --- |")
     for compiled in variants:
         r = train_step_mfu(spec, batch, seq_len, device, dtype, compiled, args.reps, n)
         print(
-            f"| {'yes' if compiled else 'no'} | {r['step_s'] * 1e3:.1f} | {r['model_flops'] / 1e12:.3f} | {r['achieved'] / 1e12:.1f} | "
+            f"| {'yes' if compiled else 'no'} | {r['step_s'] * 1e3:.1f} | {r['model_flops'] / 1e12:.3f} "
+            f"| {r['achieved'] / 1e12:.1f} | "
             f"{r['matmul_rate'] / 1e12:.1f} | {r['mfu']:.2f} |"
         )
         torch._dynamo.reset()
@@ -491,7 +464,8 @@ def main(argv=None):
     malloc = "glibc, freed memory kept" if args.keep_freed_memory else "glibc defaults"
     clock = "process CPU time" if args.cpu_time else "wall clock"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {clock}, median of {args.reps}, malloc: {malloc}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {clock}, median of {args.reps}, "
+        f"malloc: {malloc}"
     )
     rows = []
     # the headline figures first, every shape back to back; the slower breakdown afterwards
@@ -512,7 +486,8 @@ def main(argv=None):
 
     print()
     print(
-        "| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction | per-core fraction | page faults/step |"
+        "| shape | T | D | F | E | k | layer fwd+bwd (s) | expert GFLOP/s | 2048^3 matmul GFLOP/s | fraction "
+        "| per-core fraction | page faults/step |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, T, D, F, E, K, t, gf, mr, frac, per_core, faults in rows:

@@ -1,7 +1,7 @@
 """Benchmark: a training step of transformers MoE models, stock against ``moe.hf.patch``ed, and for
 Mixtral also our own ``moe.model.Transformer`` with the same weights, side by side in one run.
 
-    python -m experiments.bench_hf [--archs mixtral qwen3_moe olmoe deepseek_v3] [--reps 10] [--warmup 4]
+    python -m experiments.bench.hf [--archs mixtral qwen3_moe olmoe deepseek_v3] [--reps 10] [--warmup 4]
         [--batch 8] [--seq 512] [--layers 2] [--device cpu|cuda] [--precision fp32|bf16]
         [--threads N] [--cpu-time] [--moe-share] [--layer-floor]
 
@@ -46,6 +46,8 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as nnf
+
+from experiments.bench.timing import sync
 
 # arch -> (D, F, E, K) of the benchmark size
 SIZES = {
@@ -160,11 +162,6 @@ def models_for(arch: str, layers: int, seq: int, sizes=None, vocab: int = VOCAB,
     return out
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def make_step(model, ids_BL, autocast):
     """One training step; returns its loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -200,10 +197,10 @@ def measure(
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name, step in steps.items():
-            _sync(device)
+            sync(device)
             t0 = clock()
             step()
-            _sync(device)
+            sync(device)
             times[name].append(clock() - t0)
     per_rep = {name: [s / t for s, t in zip(times["stock"], times[name])] for name in steps if name != "stock"}
     return {
@@ -348,7 +345,8 @@ def main(argv=None):
     p.add_argument(
         "--cpu-time",
         action="store_true",
-        help="time with this process's CPU time: with --threads 1, what other jobs on a shared machine take is left out",
+        help="time with this process's CPU time: with --threads 1, what other jobs on a shared machine take is "
+        "left out",
     )
     args = p.parse_args(argv)
     if args.threads:
@@ -360,12 +358,14 @@ def main(argv=None):
 
     clock = "CPU time" if args.cpu_time else "wall-clock"
     print(
-        f"device {device}, {args.precision}, {torch.get_num_threads()} threads, {clock}, batch {args.batch} x {args.seq} tokens, "
+        f"device {device}, {args.precision}, {torch.get_num_threads()} threads, {clock}, "
+        f"batch {args.batch} x {args.seq} tokens, "
         f"{args.layers} layers, vocabulary {VOCAB}, {args.reps} repetitions after {max(1, args.warmup)} untimed steps; "
         "ratios: median of the repetitions' (lowest-highest)"
     )
     print(
-        "| arch | D, F, E, k | stock s/step | patched s/step | ours s/step | stock / patched | stock / ours | first-step losses (stock, patched, ours) |"
+        "| arch | D, F, E, k | stock s/step | patched s/step | ours s/step | stock / patched | stock / ours "
+        "| first-step losses (stock, patched, ours) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for arch in args.archs:
@@ -388,7 +388,8 @@ def main(argv=None):
             models["stock"].config, "_experts_implementation", None
         )  # transformers' own choice for the stock experts
         print(
-            f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} | {cell(t, 'ours', '.3f')} | "
+            f"| {arch} ({impl}) | {', '.join(map(str, SIZES[arch]))} | {t['stock']:.3f} | {t['patched']:.3f} "
+            f"| {cell(t, 'ours', '.3f')} | "
             f"{ratio['patched']} | {cell(ratio, 'ours')} | "
             f"{', '.join(f'{loss[n]:.5f}' for n in loss)} |",
             flush=True,
@@ -412,7 +413,8 @@ def main(argv=None):
                 arch, args.batch, args.seq, args.reps, clock=time.process_time if args.cpu_time else time.perf_counter
             )
             print(
-                f"  {arch}: one MoE block, forward + backward: stock {f['stock'] * 1e3:.0f} ms, patched {f['patched'] * 1e3:.0f} ms "
+                f"  {arch}: one MoE block, forward + backward: stock {f['stock'] * 1e3:.0f} ms, "
+                f"patched {f['patched'] * 1e3:.0f} ms "
                 f"({f['stock'] / f['patched']:.2f}x), its expert matmuls alone {f['expert matmuls'] * 1e3:.0f} ms",
                 flush=True,
             )

@@ -34,9 +34,11 @@ class StepGuard:
         self.world = world
         self.streak: list[tuple[int, str]] = []  # (step, first non-finite quantity) of the current run of skipped steps
 
-    def flags(self, loss: torch.Tensor, aux_LQ: torch.Tensor) -> torch.Tensor:
-        """What ``engine.step(extra_finite=...)`` takes: True where a quantity is finite on this rank."""
-        return torch.isfinite(torch.cat([aux_LQ.reshape(-1).to(loss.device), loss.reshape(1).float()]))
+    def flags(self, loss: torch.Tensor, aux_M: torch.Tensor, z_M: torch.Tensor) -> torch.Tensor:
+        """What ``engine.step(extra_finite=...)`` takes: True where a quantity is finite on this rank,
+        in ``self.names``' order (each MoE layer's aux loss then its z-loss, then the loss)."""
+        aux_z_M2 = torch.stack([aux_M, z_M], dim=1)
+        return torch.isfinite(torch.cat([aux_z_M2.reshape(-1).to(loss.device), loss.reshape(1).float()]))
 
     def first_nonfinite(self, engine: zero.ZeroEngine) -> str:
         for name, ranks in zip(self.names, engine.last_nonfinite):

@@ -15,8 +15,8 @@ one typed field per group) and, in each group, ``base_model``, ``base_moe``, ``b
 mistyped key (``moe.topk=2``, a typo in a yaml) or a wrong type (``train.steps=abc``,
 ``moe.top_k=two``) stops Hydra with an error naming the key. Ranges and cross-field rules are not
 the schema's business: ``moe.MoEConfig`` and ``moe.model.TransformerConfig`` check them in
-``__post_init__`` when ``experiments.train.build_model`` builds them, and the trainer's own keys are
-checked by ``experiments.train``/``experiments.data``/``experiments.tracking`` as before.
+``__post_init__`` when ``model_config`` (below) builds them, and the trainer's own keys are checked
+once each, where ``experiments.training.checks`` lists.
 
 Why the moe dataclasses serve as schema as they are (and what is derived):
 
@@ -37,7 +37,7 @@ Why the moe dataclasses serve as schema as they are (and what is derived):
   not architecture, so ``TransformerConfig`` does not carry them.
 - ``+key=value`` is Hydra's explicit "add a key the config does not have": it opens struct mode, so
   no schema can refuse it at compose time. ``check_keys`` (called by
-  ``experiments.train._check_train_cfg`` before anything is built) rejects any such key that is not a
+  ``experiments.training.checks.check_config`` before anything is built) rejects any such key that is not a
   field of its node's schema, naming it.
 
 The trainer's own groups (``train``, ``parallel``, ``optim``, ``data``, ``logger``) are defined here;
@@ -83,7 +83,7 @@ def _schema_from(
         spec.append((f.name, hints[f.name], default))
     spec += [(n, t, field(default=d)) for n, t, d in extra]
     schema = dataclasses.make_dataclass(name, spec)
-    schema.__module__ = __name__  # pickles and prints as experiments.schema.<name>
+    schema.__module__ = __name__  # pickles and prints as experiments.training.schema.<name>
     schema.__doc__ = f"{cls.__module__}.{cls.__qualname__}'s fields except {', '.join(exclude) or 'none'} (generated)."
     return schema
 
@@ -94,13 +94,13 @@ MODEL_TRAINER_FIELDS = (
     ("init_from", str | None, None),
 )
 # the model group: TransformerConfig without its `moe` field (the moe group is separate), plus
-# the trainer's own keys, which experiments.train.model_config takes out before building
+# the trainer's own keys, which model_config takes out before building
 ModelConfig = _schema_from(TransformerConfig, "ModelConfig", exclude=("moe",), extra=MODEL_TRAINER_FIELDS)
 
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints (``experiments.checkpoint``, ``zero.checkpoint``)."""
+    """Sharded checkpoints (``experiments.training.checkpointing``, ``zero.checkpoint``)."""
 
     every: int = 100  # save every this many steps and at the end; 0: never (no final save either)
     dir: str | None = None  # null: <run dir>/checkpoints; set it (or hydra.run.dir) for restarts to find it
@@ -166,7 +166,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """One schema for every source; each source reads its own keys (``experiments.data.build_data``).
+    """One schema for every source; each source reads its own keys (``experiments.training.data.build_data``).
     ``path`` is mandatory (``???``) unless a source's yaml sets it: ``conf/data/stdlib.yaml`` sets
     null (a yaml cannot turn a default back into ``???``: OmegaConf's merge keeps the old value)."""
 
@@ -220,7 +220,7 @@ GROUPS: dict[str, type] = {
 
 
 def register(cs: ConfigStore | None = None) -> None:
-    """Store the schemas (idempotent; done on import, so ``import experiments.schema`` before
+    """Store the schemas (idempotent; done on import, so ``import experiments.training.schema`` before
     composing is enough)."""
     cs = cs or ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
@@ -254,7 +254,22 @@ def check_keys(cfg: Any) -> None:
     if unknown:
         raise ValueError(
             "; ".join(
-                f"unknown config key {full}: {schema.__name__} has no such field (valid: {', '.join(f.name for f in dataclasses.fields(schema))})"
+                f"unknown config key {full}: {schema.__name__} has no such field "
+                f"(valid: {', '.join(f.name for f in dataclasses.fields(schema))})"
                 for full, schema in unknown
             )
         )
+
+
+def model_config(cfg: Any) -> TransformerConfig:
+    """The ``TransformerConfig`` of ``cfg.model`` (+ ``cfg.moe`` when any block is MoE), without the
+    trainer's ``model.init_from``; configs validate themselves, so a bad value stops here with a
+    message naming the key. ``cfg`` may be a checkpoint's saved ``config.yaml``."""
+    # plain dicts of the resolved values; a key still ??? fails here naming it (MissingMandatoryValue)
+    mcfg = OmegaConf.to_container(cfg.model, resolve=True, throw_on_missing=True)
+    for key, *_ in MODEL_TRAINER_FIELDS:
+        mcfg.pop(key, None)
+    moe_cfg = None
+    if mcfg.get("moe_every", 1):
+        moe_cfg = MoEConfig.from_dict(OmegaConf.to_container(cfg.moe, resolve=True, throw_on_missing=True))
+    return TransformerConfig.from_dict(mcfg, moe=moe_cfg)
