@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-import routing_kernels.cpu_experts as cpu_experts
+import routing_kernels.cpu.blocks as cpu_experts
 from moe import MoEConfig, MoELayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import routing_kernels as rk
-import routing_kernels.cpu_experts as cpu_experts
+import routing_kernels.cpu.blocks as cpu_experts
 import routing_kernels.dispatch as dispatch
 from routing_kernels import reference
 

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import moe
 import routing_kernels as rk
-import routing_kernels.cpu_experts as cpu_experts
+import routing_kernels.cpu.blocks as cpu_experts
 from moe import MoEConfig, MoELayer
 from tests.support.naive import (
     naive_capacity_keep,

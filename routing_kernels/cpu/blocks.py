@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .reference import row_weights, source_tokens
+from ..reference import row_weights, source_tokens
 
 # rows per block of an expert's segment: the [block, F] elementwise work (activation, its
 # gradient) stays in L2/L3 between the matmuls that produce and consume it, while the matmuls stay
