@@ -7,7 +7,7 @@ CUDA tensors, the torch reference elsewhere. Override with the environment varia
 (which must be set before triton is imported).
 
 The expert FFN (``expert_ffn``) has three backends: ``grouped_mm`` (one ``torch._grouped_mm`` per
-weight; by default for bf16 on Hopper), ``cpu_blocks`` (the CPU path, ``cpu_experts``; by default on
+weight; by default for bf16 on Hopper), ``cpu_blocks`` (the CPU path, ``routing_kernels.cpu``; by default on
 the CPU) and ``loop`` (the per-expert reference; everywhere else, and whenever the kernel backend is
 ``reference``). Override with ``SWITCHYARD_EXPERTS`` (``auto`` or a backend) or
 ``use_expert_backend(...)``. A forced ``grouped_mm`` whose operands ``_grouped_mm`` does not take
