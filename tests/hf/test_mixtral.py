@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moe import MoEConfig  # noqa: E402
-from moe.hf_mixtral import (  # noqa: E402
+from moe.hf.mixtral import (  # noqa: E402
     TABLE,
     ZERO_IN_MIXTRAL,
     _Files,

@@ -67,10 +67,10 @@ import torch.nn as nn
 
 from routing_kernels.runtime import all_gather_into, group_rank, group_size, mark_expert_params
 
-from .config import MoEConfig
-from .experts import DenseFFN
-from .hf_mixtral import export_mixtral, fused_to_ours, import_mixtral, ours_to_fused  # noqa: F401 (moe.hf.export_mixtral, moe.hf.import_mixtral)
-from .layer import MoELayer
+from ..config import MoEConfig
+from ..experts import DenseFFN
+from ..layer import MoELayer
+from .mixtral import export_mixtral, fused_to_ours, import_mixtral, ours_to_fused  # noqa: F401 (moe.hf.export_mixtral, moe.hf.import_mixtral)
 
 # model_type -> (block class name, router class name)
 _BLOCKS = {

@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
-from .config import MoEConfig
-from .model import Transformer, TransformerConfig
+from ..config import MoEConfig
+from ..model import Transformer, TransformerConfig
 
 # ---------------------------------------------------------------------------------------------
 # the expert layouts (also used by moe.hf.patch, which copies transformers' fused experts through them)
