@@ -87,7 +87,8 @@ class AllToAllDispatcher:
         me = group_rank(self.group)
         if experts.num_global != E or experts.expert_offset != me * X:
             raise ValueError(
-                f"experts hold [{experts.expert_offset}, +{X}) of {experts.num_global}; expected rank {me} of {R} to hold [{me * X}, +{X}) of {E}"
+                f"experts hold [{experts.expert_offset}, +{X}) of {experts.num_global}; "
+                f"expected rank {me} of {R} to hold [{me * X}, +{X}) of {E}"
             )
         counts_E, _, dest_TK = rk.routing_metadata(expert_ids_TK, E)
         return self._exchange(x_TD, counts_E, dest_TK, weights_TK, experts)
