@@ -7,7 +7,7 @@ CUDA tensors, the torch reference elsewhere. Override with the environment varia
 (which must be set before triton is imported).
 
 The expert FFN (``expert_ffn``) has three backends: ``grouped_mm`` (one ``torch._grouped_mm`` per
-weight; by default for bf16 on Hopper), ``cpu_blocks`` (the CPU path, ``cpu_experts``; by default on
+weight; by default for bf16 on Hopper), ``cpu_blocks`` (the CPU path, ``routing_kernels.cpu``; by default on
 the CPU) and ``loop`` (the per-expert reference; everywhere else, and whenever the kernel backend is
 ``reference``). Override with ``SWITCHYARD_EXPERTS`` (``auto`` or a backend) or
 ``use_expert_backend(...)``. A forced ``grouped_mm`` whose operands ``_grouped_mm`` does not take
@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from . import cpu_experts, grouped_gemm, reference
+from . import cpu, grouped_gemm, reference
 
 
 class _Choice:
@@ -143,7 +143,7 @@ def _loop(x_SD, counts_X, w1_XDF, w3_XDF, w2_XFD):
     return reference.expert_ffn(x_SD, counts_X.tolist(), w1_XDF, w3_XDF, w2_XFD)
 
 
-_EXPERT_IMPLS = {"grouped_mm": grouped_gemm.expert_ffn, "cpu_blocks": cpu_experts.expert_ffn, "loop": _loop}
+_EXPERT_IMPLS = {"grouped_mm": grouped_gemm.expert_ffn, "cpu_blocks": cpu.expert_ffn, "loop": _loop}
 
 
 def expert_ffn(x, counts, w1_XDF, w3_XDF, w2_XFD, dest_TK=None, weights_TK=None, num_rows: int | None = None):
@@ -174,7 +174,7 @@ def expert_ffn(x, counts, w1_XDF, w3_XDF, w2_XFD, dest_TK=None, weights_TK=None,
         return _EXPERT_IMPLS[backend](x, counts, w1_XDF, w3_XDF, w2_XFD)
     S = dest_TK.numel() if num_rows is None else num_rows
     if backend == "cpu_blocks" and _kernels.value != "triton":
-        return cpu_experts.routed_expert_ffn(x, dest_TK, weights_TK, counts, w1_XDF, w3_XDF, w2_XFD, S)
+        return cpu.routed_expert_ffn(x, dest_TK, weights_TK, counts, w1_XDF, w3_XDF, w2_XFD, S)
     x_SD = permute(x, dest_TK, S)
     y_SD = _EXPERT_IMPLS[expert_backend(x_SD, w1_XDF, w3_XDF, w2_XFD)](x_SD, counts, w1_XDF, w3_XDF, w2_XFD)
     return unpermute_combine(y_SD, dest_TK, weights_TK.to(y_SD.dtype))

@@ -1,4 +1,4 @@
-"""moe.hf_mixtral: a Switchyard Transformer exported as a transformers Mixtral checkpoint, a Mixtral
+"""moe.hf.mixtral: a Switchyard Transformer exported as a transformers Mixtral checkpoint, a Mixtral
 checkpoint imported, ``model.init_from`` in the trainer (one process and 2 gloo ranks with ep=2).
 
 Logits are compared at 1e-6 relative (``||a - b|| / ||b||``, fp32): the two models run the same
@@ -20,16 +20,16 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moe import MoEConfig  # noqa: E402
-from moe.hf_mixtral import (  # noqa: E402
+from moe.hf.mixtral import (  # noqa: E402
     TABLE,
     ZERO_IN_MIXTRAL,
-    _Files,
     _read,
     export_mixtral,
     import_mixtral,
     import_mixtral_state_dict,
     to_mixtral_state_dict,
 )
+from moe.hf.safetensors_io import SafetensorsFiles as _Files  # noqa: E402
 from moe.model import Transformer, TransformerConfig  # noqa: E402
 from tests.support.training import SHORT, assemble_weights, cfg_of, check_same_training, metrics_rows  # noqa: E402
 from zero import checkpoint as zc  # noqa: E402

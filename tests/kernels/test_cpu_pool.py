@@ -1,4 +1,4 @@
-"""The CPU expert path's buffer pool (routing_kernels.cpu_experts._BufferPool): reuse must never change a result.
+"""The CPU expert path's buffer pool (routing_kernels.cpu.BufferPool): reuse must never change a result.
 
 The pool lends a buffer again only when nothing but the pool refers to its storage. These tests
 shrink the pooling threshold so every buffer of a tiny layer is pooled, then check, against a fresh
@@ -15,15 +15,15 @@ import copy
 import pytest
 import torch
 
-import routing_kernels.cpu_experts as cpu_experts
 from moe import MoEConfig, MoELayer
+from routing_kernels.cpu import BufferPool, pool_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(autouse=True)
 def _pool_everything(monkeypatch):
-    monkeypatch.setattr(cpu_experts, "_POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(BufferPool, "min_bytes", 0)
 
 
 def _layer(**kw):
@@ -119,7 +119,7 @@ def test_accumulation_and_changing_shapes():
         ref1, ref2 = _step(_fresh(template), x, g), _step(_fresh(template), x2, g2)
         for n, p in layer.named_parameters():
             assert torch.equal(p.grad, ref1[2][n] + ref2[2][n]), n
-    held = sum(len(v) for v in cpu_experts._pool_for(layer.experts.w1)._slots.values())
+    held = pool_for(layer.experts.w1).held()
     assert held <= 40, f"the pool holds {held} buffers: old shapes are piling up"
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import routing_kernels as rk
-import routing_kernels.cpu_experts as cpu_experts
 import routing_kernels.dispatch as dispatch
 from routing_kernels import reference
+from routing_kernels.cpu import forced_schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -54,15 +54,12 @@ def _close(a, b, what):
 
 
 @pytest.fixture
-def small_blocks_in_lanes(monkeypatch):
-    monkeypatch.setattr(cpu_experts, "_ROW_BLOCK", 3)
-    monkeypatch.setattr(cpu_experts, "_LANE_MIN_MACS", 0)
-    used = []
-    real = cpu_experts._lane_count
-    monkeypatch.setattr(cpu_experts, "_lane_count", lambda *a: used.append(real(*a)) or used[-1])
+def small_blocks_in_lanes():
+    # yields the lane count of every pass of the CPU block path
     n = torch.get_num_threads()
     torch.set_num_threads(2)
-    yield used
+    with forced_schedule(lanes=2, block_rows=3) as log:
+        yield log.lanes
     torch.set_num_threads(n)
 
 

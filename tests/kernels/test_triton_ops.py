@@ -392,7 +392,8 @@ def test_imports_stay_light():
     # lazy until a Triton path runs
     code = (
         "import sys, moe, zero, routing_kernels; "
-        "bad = [m for m in ('triton', 'hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors') if m in sys.modules]; "
+        "bad = [m for m in ('triton', 'hydra', 'omegaconf', 'wandb', 'transformers', 'safetensors') "
+        "if m in sys.modules]; "
         "assert not bad, bad"
     )
     result = subprocess.run(

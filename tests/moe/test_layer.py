@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 import moe
 import routing_kernels as rk
-import routing_kernels.cpu_experts as cpu_experts
 from moe import MoEConfig, MoELayer
+from routing_kernels.cpu import BlockQueue, LaneFailed, forced_schedule, lane_count, release_lanes
 from tests.support.naive import (
     naive_capacity_keep,
     naive_expert_choice,
@@ -181,34 +181,33 @@ def test_matches_naive_in_small_blocks(name, backend, monkeypatch):
     # segments span several blocks, ragged last ones included, with weight gradients accumulated
     import routing_kernels.reference
 
-    monkeypatch.setattr(cpu_experts, "_ROW_BLOCK", 3)
-    monkeypatch.setattr(cpu_experts, "_COMBINE_BLOCK_T", 4)
     monkeypatch.setattr(routing_kernels.reference, "_COMBINE_BLOCK_T", 4)
     shape, kw = CASES[name]
     layer = make(no_aux(d_model=shape[-1], **kw))
     torch.manual_seed(1)
-    with rk.use_expert_backend(backend):
+    with rk.use_expert_backend(backend), forced_schedule(block_rows=3, combine_tokens=4):
         check_against_naive(layer, torch.randn(shape), torch.float32, name)
 
 
 @pytest.fixture
-def lanes(monkeypatch):
-    """Two intra-op threads, and lanes for any size: the CPU path then runs its expert blocks in two
-    parallel lanes (routing_kernels.cpu_experts._lane_count), whatever the routing. Yields the lane
-    counts used."""
-    monkeypatch.setattr(cpu_experts, "_LANE_MIN_MACS", 0)
-    used = []
-    real = cpu_experts._lane_count
-
-    def spy(*args):
-        used.append(real(*args))
-        return used[-1]
-
-    monkeypatch.setattr(cpu_experts, "_lane_count", spy)
+def two_threads():
     n = torch.get_num_threads()
     torch.set_num_threads(2)
-    yield used
+    yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def lanes(two_threads):
+    """Two intra-op threads, and two lanes for any size (routing_kernels.cpu.forced_schedule): the
+    CPU path then runs its expert blocks in two parallel lanes, whatever the routing. Yields the
+    schedule's log (``.lanes``: the lane count of every pass)."""
+    with forced_schedule(lanes=2) as log:
+        yield log
+
+
+def ran_in_two_lanes(log) -> bool:
+    return bool(log.lanes) and all(n == 2 for n in log.lanes)
 
 
 @pytest.mark.parametrize(
@@ -219,95 +218,60 @@ def test_lanes_match_naive(name, lanes):
     layer = make(no_aux(d_model=shape[-1], **kw))
     torch.manual_seed(1)
     check_against_naive(layer, torch.randn(shape), torch.float32, name)
-    assert lanes and all(n == 2 for n in lanes), f"ran in lanes {lanes}"
-
-
-def _forced_schedule(monkeypatch, lane_of, taken: dict):
-    """Lane threads take the queue's blocks in a fixed pattern: the n-th block handed out goes to
-    lane ``lane_of(n)``, and a lane whose block is not next waits for it; records which thread took
-    which block. (A schedule skewed by sleeping in one lane was not fixed: on a loaded machine the
-    other lane could be descheduled long enough that the sleeping one still took every block, in
-    both runs alike.) No deadlock: blocks still go out in queue order, and the earliest unfinished
-    block never waits for its turn."""
-    import threading
-
-    # the queue's own take, also when an earlier call of this function patched it
-    real = getattr(cpu_experts._BlockQueue.take, "real", cpu_experts._BlockQueue.take)
-
-    def take(queue):
-        name = threading.current_thread().name
-        if not name.startswith("moe-lane_"):
-            return real(queue)
-        me = int(name.rsplit("_", 1)[1])
-        with queue._cond:  # a reentrant lock: real() takes it again
-            mine = lambda: queue._failed or queue._next == len(queue.units) or lane_of(queue._next) == me  # noqa: E731
-            assert queue._cond.wait_for(mine, 60), "the other lane never took its block"
-            unit = real(queue)
-            queue._cond.notify_all()
-        if unit is not None:
-            taken.setdefault(name, []).append(unit)
-        return unit
-
-    take.real = real
-    monkeypatch.setattr(cpu_experts._BlockQueue, "take", take)
+    assert ran_in_two_lanes(lanes), f"ran in lanes {lanes.lanes}"
 
 
 @pytest.mark.parametrize("name", ["odd", "gelu_shared", "capacity_position", "expert_choice"])
-def test_lanes_same_bits_whatever_the_schedule(name, lanes, monkeypatch):
+def test_lanes_same_bits_whatever_the_schedule(name, two_threads):
     # blocks of 3 rows: every expert's rows span many blocks, taken by either lane in any order, so
-    # weight gradients wait for their turn; which lane runs which block must not change one bit
-    monkeypatch.setattr(cpu_experts, "_ROW_BLOCK", 3)
+    # weight gradients wait for their turn; which lane runs which block must not change one bit.
+    # (A schedule skewed by sleeping in one lane was not fixed: on a loaded machine the other lane
+    # could be descheduled long enough that the sleeping one still took every block, in both runs.)
     shape, kw = CASES[name]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     x, grad = torch.randn(shape), torch.randn(shape)
-    runs, schedules = [], []
+    runs, logs = [], []
     # lane 0 takes the even blocks, then the odd ones (and the other lane the rest)
     for pattern in (lambda n: n % 2, lambda n: 1 - n % 2):
-        taken = {}
-        _forced_schedule(monkeypatch, pattern, taken)
-        runs.append(run_layer(layer, x, grad))
-        schedules.append(sorted(taken.get("moe-lane_0", [])))
+        with forced_schedule(lanes=2, block_rows=3, lane_of=pattern) as log:
+            runs.append(run_layer(layer, x, grad))
+        logs.append(log)
+    schedules = [sorted(log.blocks.get(0, [])) for log in logs]
     assert schedules[0] != schedules[1], "both runs gave the lanes the same blocks: nothing was tested"
-    assert all(len(taken.get(f"moe-lane_{i}", [])) > 0 for i in (0, 1)), taken
+    for log in logs:
+        assert all(len(log.blocks.get(i, [])) > 0 for i in (0, 1)), log.blocks
     first, second = runs
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for n in first[2]:
         assert torch.equal(first[2][n], second[2][n]), n
-    assert lanes and all(n == 2 for n in lanes)
+    assert all(ran_in_two_lanes(log) for log in logs)
 
 
-def test_lane_errors_surface_and_the_next_call_works(lanes, monkeypatch):
-    import threading
-
-    monkeypatch.setattr(cpu_experts, "_ROW_BLOCK", 3)
+def test_lane_errors_surface_and_the_next_call_works(two_threads):
     # the lanes alternate blocks: left to the machine, a lane started late on a loaded machine could
     # find the queue empty, and a failure planted in it would never happen (seen once in a suite run)
-    _forced_schedule(monkeypatch, lambda n: n % 2, {})
     shape, kw = CASES["odd"]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     x, grad = torch.randn(shape), torch.randn(shape)
-    expected = run_layer(layer, x, grad)
-    real = cpu_experts._silu_out
-    # in every lane; then in one lane only, while the other may be waiting for that lane's block
-    for failing in ("moe-lane", "moe-lane_1"):
+    with forced_schedule(lanes=2, block_rows=3, lane_of=lambda n: n % 2):
+        expected = run_layer(layer, x, grad)
+        # in every lane; then in one lane only, while the other may be waiting for that lane's block
+        for failing in ((0, 1), (1,)):
 
-        def silu(*a, failing=failing, **k):
-            if threading.current_thread().name.startswith(failing):
-                raise RuntimeError("lane failure")
-            return real(*a, **k)
+            def fail(lane, block, failing=failing):
+                if lane in failing:
+                    raise RuntimeError("lane failure")
 
-        monkeypatch.setattr(cpu_experts, "_silu_out", silu)
-        with pytest.raises(RuntimeError, match="lane failure"):
-            run_layer(layer, x, grad)
-    monkeypatch.setattr(cpu_experts, "_silu_out", real)
-    again = run_layer(layer, x, grad)
+            with forced_schedule(on_block=fail), pytest.raises(RuntimeError, match="lane failure"):
+                run_layer(layer, x, grad)
+        again = run_layer(layer, x, grad)
     assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
 
 
-def test_block_queue_order_turns_and_failure(monkeypatch):
+def test_block_queue_order_turns_and_failure():
     import threading
 
-    q = cpu_experts._BlockQueue([5, 0, 2, 9], block=4)
+    q = BlockQueue([5, 0, 2, 9], block=4)
     units = []
     while (u := q.take()) is not None:
         units.append(u)
@@ -316,8 +280,8 @@ def test_block_queue_order_turns_and_failure(monkeypatch):
     assert units == [(3, 7, 10, 0), (0, 0, 2, 0), (2, 5, 7, 0), (0, 2, 5, 1), (3, 10, 13, 1), (3, 13, 16, 2)]
     # in lanes, the last blocks are halved (their halves `lanes` apart, renumbered in row order),
     # unless another tail block is of the same expert (expert 3 above)
-    assert cpu_experts._BlockQueue([5, 0, 2, 9], block=4, lanes=2).units == units
-    assert cpu_experts._BlockQueue([8, 8, 8], block=4, lanes=2).units == [
+    assert BlockQueue([5, 0, 2, 9], block=4, lanes=2).blocks == units
+    assert BlockQueue([8, 8, 8], block=4, lanes=2).blocks == [
         (0, 0, 4, 0),
         (1, 8, 12, 0),
         (2, 16, 20, 0),
@@ -328,19 +292,19 @@ def test_block_queue_order_turns_and_failure(monkeypatch):
         (2, 22, 24, 2),
     ]
     q.wait_turn(3, 0)  # block 0 never waits
-    monkeypatch.setattr(cpu_experts, "_LANE_WAIT_S", 0.05)
+    q.wait_s = 0.05
     with pytest.raises(TimeoutError, match="block 0 of expert 3"):
         q.wait_turn(3, 1)
     q.end_turn(3)
     q.wait_turn(3, 1)
     # a failing lane wakes a waiting one, which stops instead of waiting out the timeout
-    monkeypatch.setattr(cpu_experts, "_LANE_WAIT_S", 60.0)
+    q.wait_s = 60.0
     errors = []
 
     def waiter():
         try:
             q.wait_turn(0, 1)
-        except cpu_experts._LaneFailed as err:
+        except LaneFailed as err:
             errors.append(err)
 
     t = threading.Thread(target=waiter)
@@ -355,15 +319,16 @@ def test_block_queue_covers_rows_in_turn_order():
     # any counts, block size and lane count: the blocks tile every expert's rows exactly, are
     # numbered 0, 1, ... in row order, and each comes after its predecessor in the queue (what
     # makes the turns deadlock-free)
+    import itertools
     import random
 
     rng = random.Random(0)
     for _ in range(300):
         counts = [rng.choice([0, 1, 2, 5, 9, 40]) for _ in range(rng.randint(1, 7))]
-        q = cpu_experts._BlockQueue(counts, block=rng.randint(1, 12), lanes=rng.randint(1, 4))
-        position = {(e, i): j for j, (e, _, _, i) in enumerate(q.units)}
-        for e, (n, start) in enumerate(zip(counts, cpu_experts._starts(counts))):
-            mine = sorted((i, a, b) for u, a, b, i in q.units if u == e)
+        q = BlockQueue(counts, block=rng.randint(1, 12), lanes=rng.randint(1, 4))
+        position = {(e, i): j for j, (e, _, _, i) in enumerate(q.blocks)}
+        for e, (n, start) in enumerate(zip(counts, [0, *itertools.accumulate(counts)])):
+            mine = sorted((i, a, b) for u, a, b, i in q.blocks if u == e)
             if n == 0:
                 assert not mine
                 continue
@@ -377,15 +342,14 @@ def test_lane_count_falls_back():
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        x = torch.empty(1, 512)
-        assert cpu_experts._lane_count([2100, 1900, 2000, 2050], x, 1024) == 2
-        assert cpu_experts._lane_count([9000, 100, 100, 100], x, 1024) == 2  # a hot expert's blocks spread too
-        assert cpu_experts._lane_count([3, 2, 1, 0], x, 1024) == 1  # too little work to hand off
-        assert cpu_experts._lane_count([0, 0], x, 1024) == 1
+        assert lane_count([2100, 1900, 2000, 2050], 512, 1024) == 2
+        assert lane_count([9000, 100, 100, 100], 512, 1024) == 2  # a hot expert's blocks spread too
+        assert lane_count([3, 2, 1, 0], 512, 1024) == 1  # too little work to hand off
+        assert lane_count([0, 0], 512, 1024) == 1
         # small matmuls (512 rows x 64 x 256 per expert): the lanes' Python would contend for the GIL
-        assert cpu_experts._lane_count([512] * 8, torch.empty(1, 64), 256) == 1
+        assert lane_count([512] * 8, 64, 256) == 1
         torch.set_num_threads(1)
-        assert cpu_experts._lane_count([2100, 1900], x, 1024) == 1
+        assert lane_count([2100, 1900], 512, 1024) == 1
     finally:
         torch.set_num_threads(n)
 
@@ -774,19 +738,19 @@ def test_lanes_under_activation_checkpointing(reentrant, lanes):
     assert torch.equal(out_c.detach(), out) and torch.equal(xc.grad, gx)
     for name, p in ck.named_parameters():
         assert torch.equal(p.grad, grads[name]), name
-    assert lanes and all(n == 2 for n in lanes)
+    assert ran_in_two_lanes(lanes)
 
 
-def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
+def test_lanes_leave_thread_defaults_alone(lanes):
     # lane threads run one intra-op thread each; threads the program starts later must still get
     # the process's setting (torch.set_num_threads in a thread also sets their default)
     import threading
 
-    monkeypatch.setattr(cpu_experts, "_lane_pool", None)  # a fresh pool: its start-up is under test
+    release_lanes()  # fresh lane threads: their start-up is under test
     shape, kw = CASES["odd"]
     layer = make(MoEConfig(d_model=shape[-1], **kw))
     layer(torch.randn(shape)).sum().backward()
-    assert lanes and lanes[0] == 2
+    assert lanes.lanes and lanes.lanes[0] == 2
     seen = {}
 
     def probe():
@@ -797,31 +761,24 @@ def test_lanes_leave_thread_defaults_alone(lanes, monkeypatch):
     t.start()
     t.join()
     assert seen["threads"] == torch.get_num_threads() == 2
-    lane_threads = cpu_experts._lane_pool[3].submit(torch.get_num_threads).result()
-    assert lane_threads == 1
+    assert lanes.lane_threads and all(n == 1 for n in lanes.lane_threads), lanes.lane_threads
 
 
-def test_lanes_share_many_threads(lanes, monkeypatch):
-    # 4 intra-op threads and at most 2 lanes: each lane runs 2 threads, so none sits idle, and the
-    # results still match the reference; the caller keeps its 4
-    monkeypatch.setattr(cpu_experts, "_MAX_LANES", 2)
+def test_lanes_share_many_threads(lanes):
+    # 4 intra-op threads and 2 lanes (what lane_count gives with at most 2): each lane runs 2
+    # threads, so none sits idle, and the results still match the reference; the caller keeps its 4
     torch.set_num_threads(4)
+    assert lane_count([2100, 1900], 512, 1024, max_lanes=2) == 2
     shape, kw = CASES["odd"]
     layer = make(no_aux(d_model=shape[-1], **kw))
     torch.manual_seed(1)
     check_against_naive(layer, torch.randn(shape), torch.float32, "odd")
-    assert lanes and all(n == 2 for n in lanes)
-    assert cpu_experts._lane_pool[2] == 2
-    assert (
-        sorted(f.result() for f in [cpu_experts._lane_pool[3].submit(torch.get_num_threads) for _ in range(4)])
-        == [2] * 4
-    )
+    assert ran_in_two_lanes(lanes)
+    assert lanes.lane_threads and all(n == 2 for n in lanes.lane_threads), lanes.lane_threads
     assert torch.get_num_threads() == 4
-    assert cpu_experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == 2
-    monkeypatch.setattr(cpu_experts, "_MAX_LANES", 8)
     for threads, expected in ((16, 8), (12, 6), (9, 3), (7, 7)):
         torch.set_num_threads(threads)
-        assert cpu_experts._lane_count([2100, 1900], torch.empty(1, 512), 1024) == expected, threads
+        assert lane_count([2100, 1900], 512, 1024) == expected, threads
 
 
 def test_shared_expert_gate_scales_the_shared_output():

@@ -1,0 +1,60 @@
+"""Hugging Face transformers interop. Needs the optional extra (``pip install -e .[hf]``); ``import
+moe`` never imports this package, and importing it imports neither transformers nor safetensors
+(the functions that need them do, when called).
+
+- ``moe.hf.patch``: ``patch(model)``, a transformers MoE model's sparse blocks swapped for
+  ``MoELayer`` in place (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3).
+- ``moe.hf.stock``: the stock way back: ``unpatch``, ``stock_state_dict``, ``save_pretrained``,
+  and the load pre-hook that lets a patched model load the stock layout.
+- ``moe.hf.logits_tap``: how a patched layer's router logits reach transformers' output recorder.
+- ``moe.hf.adapter``: the tables a model-family adapter is made of, read in both directions
+  (``Adapter``, ``Row``, ``Fixed``), and transformers 5's fused expert layout against ours.
+- ``moe.hf.mixtral``: the Mixtral adapter: a Switchyard ``Transformer`` as a Mixtral checkpoint
+  and back (``export_mixtral``, ``import_mixtral``, ...).
+- ``moe.hf.safetensors_io``: safetensors files tensor by tensor (``TensorSource``,
+  ``SafetensorsFiles``, ``write_safetensors``, shards and their index).
+
+Note: ``moe.hf.patch`` is the function, which hides the submodule of that name as an attribute;
+``from moe.hf.patch import X`` still reads the module (``import moe.hf.patch as m`` does not).
+"""
+
+# The private names ("_x as _x") are kept here on purpose: tests and experiments/bench_hf.py read
+# moe.hf._BLOCKS and moe.hf._patched_layers; a patched model pickled while this package was one
+# module, moe/hf.py, names _new_tap, _SavePretrained and _load_stock_layout as moe.hf.<name>.
+from .adapter import fused_to_ours, ours_to_fused
+from .logits_tap import _new_tap as _new_tap
+from .mixtral import (
+    export_mixtral,
+    import_mixtral,
+    import_mixtral_state_dict,
+    mixtral_config,
+    read_mixtral_config,
+    to_mixtral_state_dict,
+)
+from .patch import _BLOCKS as _BLOCKS
+from .patch import SUPPORTED_MODEL_TYPES, patch
+from .safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsFiles, TensorSource, write_safetensors
+from .stock import _load_stock_layout as _load_stock_layout
+from .stock import _patched_layers as _patched_layers
+from .stock import _SavePretrained as _SavePretrained
+from .stock import save_pretrained, stock_state_dict, unpatch
+
+__all__ = [
+    "patch",
+    "unpatch",
+    "stock_state_dict",
+    "save_pretrained",
+    "SUPPORTED_MODEL_TYPES",
+    "export_mixtral",
+    "import_mixtral",
+    "import_mixtral_state_dict",
+    "to_mixtral_state_dict",
+    "mixtral_config",
+    "read_mixtral_config",
+    "fused_to_ours",
+    "ours_to_fused",
+    "TensorSource",
+    "SafetensorsFiles",
+    "write_safetensors",
+    "DEFAULT_SHARD_BYTES",
+]

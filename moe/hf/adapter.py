@@ -1,0 +1,415 @@
+"""A transformers model family as a checkpoint of our ``Transformer``, and back: the machinery that
+every model-family adapter (``moe.hf.mixtral``, the first) reads its tables with.
+
+An adapter is data: ``Adapter(table=..., config_fields=..., fixed=..., routing=...)``. Each table is
+read in both directions, so that export and import cannot disagree:
+
+- ``table``: ``Row``s, our state-dict names against the transformers module's and the checkpoint
+  file's, with the layout change each way (``to_module``/``to_ours``);
+- ``config_fields``: our config fields that are one of theirs, the same value on both sides;
+- ``fixed``: their config fields with one valid value for our model (``Fixed``): what export
+  writes, what import accepts;
+- ``routing``: the ``MoEConfig`` routing fields their block computes, set on import and required
+  on export.
+
+transformers is imported only by the functions that build or read a config; safetensors only when
+a file is read (``moe.hf.safetensors_io``).
+
+Shapes follow the project's legend (docs/design.md): V vocabulary, D model dim, F expert hidden
+dim, E experts of the model, X experts held by this process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import MoEConfig
+from ..model import Transformer, TransformerConfig
+from .safetensors_io import (
+    DEFAULT_SHARD_BYTES,
+    SafetensorsFiles,
+    TensorSource,
+    check_no_weights,
+    plan_shards,
+    write_sharded,
+)
+
+# ---------------------------------------------------------------------------------------------
+# the expert layouts (also used by moe.hf.patch, which copies transformers' fused experts through them)
+
+
+def fused_to_ours(gate_up: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers 5's fused experts -> ``(w1, w3, w2)`` in our layout, as views (no copy).
+
+    ``gate_up [X, 2F, D]`` holds the gate rows then the up rows of each expert; ``down [X, D, F]``.
+    Ours: ``w1, w3 [X, D, F]``, ``w2 [X, F, D]``."""
+    F = down_XDF.shape[2]
+    return gate_up[:, :F].transpose(1, 2), gate_up[:, F:].transpose(1, 2), down_XDF.transpose(1, 2)
+
+
+def ours_to_fused(
+    w1_XDF: torch.Tensor, w3_XDF: torch.Tensor, w2_XFD: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w1, w3, w2)`` -> transformers 5's ``(gate_up [X, 2F, D], down [X, D, F])`` (contiguous copies)."""
+    return torch.cat([w1_XDF.transpose(1, 2), w3_XDF.transpose(1, 2)], dim=1), w2_XFD.transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# the tables
+
+
+def same(*ts):
+    return ts
+
+
+@dataclass(frozen=True)
+class Row:
+    """Our tensors ``ours`` are the family's ``module`` tensors (the transformers 5 module layout) by
+    ``to_module``/``to_ours``. ``file`` names the same tensors in a checkpoint file: the module
+    names, except for the experts (``experts=True``: dimension 0 runs over experts), which a file
+    stores one tensor per expert: ``file[j]`` of expert e is ``ours[j][e]`` transposed. ``{i}`` in a
+    name is the block, ``{e}`` the expert."""
+
+    ours: tuple[str, ...]
+    module: tuple[str, ...]
+    file: tuple[str, ...]
+    to_module: Callable = same
+    to_ours: Callable = same
+    experts: bool = False
+
+
+def row(ours, module, file=None, **kw) -> Row:
+    """A ``Row``; ``file`` defaults to the module names."""
+    return Row(tuple(ours), tuple(module), tuple(file if file is not None else module), **kw)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A field of their config with one valid value for our model. ``export(cfg)``: the value export
+    writes (None: the field is not written, the config class's default stands). ``accepts(value,
+    hf_cfg)``: whether import takes the config's value (None: any; an absent field reads as None).
+    ``why`` (or ``why(hf_cfg)``) says why nothing else is valid; ``shown(value)`` names a refused
+    value."""
+
+    field: str
+    export: Callable[[TransformerConfig], object] | None
+    accepts: Callable[[object, object], bool] | None
+    why: str | Callable[[object], str] = ""
+    shown: Callable[[object], object] = lambda value: value
+
+
+def names(templates: tuple[str, ...], i: int, e: int | None = None) -> list[str]:
+    return [t.format(i=i, e=e) for t in templates]
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj
+
+
+# in old checkpoints: non-persistent buffers, recomputed from the config on both sides
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# fields that do not change what the weights compute: not compared when a run starts from a checkpoint
+NOT_ARCHITECTURE = ("max_seq_len", "init_std")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One model family (``name``, as messages say it; ``model_type``, as its configs do): its
+    tables (module docstring), the transformers config class that export writes
+    (``config_class``, ``architectures``), and ``zero_in_theirs``: our tensors the family has no
+    place for, exported only when zero, imported as zeros. Its methods are the conversions; the
+    family's module binds them to its own names (``export_mixtral``, ...)."""
+
+    name: str
+    model_type: str
+    table: tuple[Row, ...]
+    config_fields: tuple[tuple[str, str], ...]
+    fixed: tuple[Fixed, ...]
+    routing: dict[str, object]
+    config_class: str
+    architectures: tuple[str, ...]
+    zero_in_theirs: tuple[str, ...] = ()
+
+    # --- configs ---------------------------------------------------------------------------
+
+    def _bad(self, field: str, value, why: str) -> ValueError:
+        return ValueError(f"{field}={value!r} cannot be a {self.name} model: {why}")
+
+    def check_exportable(self, cfg: TransformerConfig, *, dropless: bool = True) -> None:
+        """Raise ValueError naming the first field of ``cfg`` that a model of this family cannot
+        compute. ``dropless=False`` accepts a ``capacity_factor`` (a training-time rule: a run may
+        start from a dropless checkpoint and train with a capacity); export keeps it refused, since
+        the exported model would route dropless and so compute something else."""
+        if cfg.moe is None or cfg.moe_every != 1:
+            raise self._bad(
+                "model.moe_every", cfg.moe_every, f"every {self.name} layer is an MoE block; use moe_every=1"
+            )
+        for field, want in self.routing.items():
+            got = getattr(cfg.moe, field)
+            if got != want:
+                raise self._bad(f"moe.{field}", got, f"{self.name}'s router and experts are {field}={want!r}")
+        if dropless and cfg.moe.capacity_factor is not None:
+            raise self._bad(
+                "moe.capacity_factor",
+                cfg.moe.capacity_factor,
+                f"{self.name} routes dropless; export the same weights with a config whose capacity_factor is None",
+            )
+
+    def hf_config(self, cfg: TransformerConfig, dtype: torch.dtype = torch.float32):
+        """The transformers config of a model of ``cfg`` (refusing what this family cannot be)."""
+        import transformers
+
+        self.check_exportable(cfg)
+        kw = {theirs: _get(cfg, ours) for ours, theirs in self.config_fields if "." not in theirs}
+        kw.update({f.field: f.export(cfg) for f in self.fixed if f.export is not None})
+        return getattr(transformers, self.config_class)(
+            **kw, architectures=list(self.architectures), dtype=str(dtype).removeprefix("torch.")
+        )
+
+    def check_hf_config(self, hf_cfg) -> None:
+        """Raise ValueError naming the first field of their config that our model cannot compute."""
+
+        def refuse(field, value, why):
+            raise ValueError(f"{self.name} config.{field}={value!r} is not supported: {why}")
+
+        model_type = getattr(hf_cfg, "model_type", None)
+        if model_type != self.model_type:
+            refuse("model_type", model_type, f"only {self.model_type!r} checkpoints map onto moe.model.Transformer")
+        for f in self.fixed:
+            value = getattr(hf_cfg, f.field, None)
+            if f.accepts is not None and not f.accepts(value, hf_cfg):
+                refuse(f.field, f.shown(value), f.why(hf_cfg) if callable(f.why) else f.why)
+
+    def transformer_config(self, hf_cfg, *, max_seq_len: int | None = None, **moe_kw) -> TransformerConfig:
+        """Our ``TransformerConfig`` for their config (refusing what our model cannot compute).
+        ``max_seq_len``: default theirs (rotary tables are that long). ``moe_kw``: training-time
+        MoEConfig fields (aux_loss_coef, z_loss_coef, capacity_factor, ...)."""
+        self.check_hf_config(hf_cfg)
+        decided = set(self.routing) | {"d_model"} | {o.removeprefix("moe.") for o, _ in self.config_fields}
+        fixed = sorted(set(moe_kw) & decided)
+        if fixed:
+            raise ValueError(
+                f"moe.{fixed[0]}={moe_kw[fixed[0]]!r}: the checkpoint's config decides {fixed}; "
+                "only training-time MoEConfig fields can be passed"
+            )
+        ours = {o: _get(hf_cfg, t) for o, t in self.config_fields}
+        if max_seq_len is not None:
+            ours["max_seq_len"] = max_seq_len
+        moe_fields = {o.removeprefix("moe."): ours.pop(o) for o in list(ours) if o.startswith("moe.")}
+        moe = MoEConfig(d_model=ours["d_model"], **moe_fields, **self.routing, **moe_kw)
+        # the dense d_ff is unused when every block is MoE; the experts' width is the natural value
+        return TransformerConfig(**ours, d_ff=moe.d_ff, moe_every=1, moe=moe)
+
+    def config_mismatches(self, cfg: TransformerConfig, hf_cfg) -> list[str]:
+        """``model.x=ours (checkpoint: their_field=theirs)`` for each architecture field of ``cfg``
+        that differs from their config's (empty when the checkpoint's weights fit ``cfg``); also the
+        fields of ``cfg`` no model of the family has. Training-time fields (aux losses, capacity,
+        init, sequence length) are free."""
+        try:
+            self.check_exportable(cfg, dropless=False)
+        except ValueError as e:
+            return [str(e)]
+        want = self.transformer_config(hf_cfg)
+        out = []
+        for ours, theirs in self.config_fields:
+            if ours in NOT_ARCHITECTURE:
+                continue
+            a, b = _get(cfg, ours), _get(want, ours)
+            if a != b:
+                out.append(f"{ours if ours.startswith('moe.') else 'model.' + ours}={a!r} (checkpoint: {theirs}={b!r})")
+        return out
+
+    def read_hf_config(self, path: str | os.PathLike):
+        """The transformers config of a checkpoint directory (only ``config.json`` is read)."""
+        import transformers
+
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path}: no config.json (expected a transformers {self.name} checkpoint directory)"
+            )
+        hf_cfg = transformers.AutoConfig.from_pretrained(str(path))
+        self.check_hf_config(hf_cfg)
+        return hf_cfg
+
+    # --- state dicts ---------------------------------------------------------------------------
+
+    def _theirs(self, ours: str) -> str:
+        return next(r.module[0] for r in self.table if r.ours == (ours,))
+
+    def rows(self, cfg: TransformerConfig) -> Iterator[tuple[Row, int]]:
+        """Every (row, block) of a model of ``cfg`` (block -1 for the rows outside the blocks)."""
+        for r in self.table:
+            if r.ours[0] == "lm_head.weight" and cfg.tie_embeddings:
+                continue
+            if "{i}" in r.ours[0]:
+                for i in range(cfg.n_layers):
+                    yield r, i
+            else:
+                yield r, -1
+
+    def check_state(self, src: TensorSource, cfg: TransformerConfig) -> None:
+        """``src`` holds the whole model of ``cfg``: its names and shapes (read from the source's
+        metadata, no tensor is loaded), every expert, and ``zero_in_theirs`` zero (these small
+        buffers are read). A tied head may be absent (it is the embedding)."""
+        with torch.device("meta"):  # shapes only: nothing is allocated or drawn
+            ref = Transformer(cfg).state_dict()
+        optional = {"lm_head.weight"} if cfg.tie_embeddings else set()
+        have = set(src.keys())
+        missing = sorted(set(ref) - have - optional)
+        unknown = sorted(have - set(ref))
+        if missing or unknown:
+            raise ValueError(
+                f"the state dict does not hold a model of this config: missing {missing[:8]}, unknown {unknown[:8]}"
+            )
+        for name in sorted(set(ref) & have):
+            got, want = tuple(src.meta(name).shape), tuple(ref[name].shape)
+            if got != want:
+                experts = ".experts." in name and got[1:] == want[1:]
+                hint = (
+                    f": {got[0]} of num_experts={want[0]} experts; under expert parallelism gather every "
+                    "rank's experts (a consolidated checkpoint) before exporting"
+                )
+                raise ValueError(f"{name} has shape {got}, the config's model {want}" + (hint if experts else ""))
+        for name in (n for i in range(cfg.n_layers) for n in names(self.zero_in_theirs, i)):
+            if torch.count_nonzero(src.get(name)):
+                raise self._bad(name, "non-zero", f"{self.name}'s router has no selection bias")
+
+    def to_module_state_dict(self, state: dict[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+        """Our state dict -> their module's ``state_dict()`` names and layouts (transformers 5,
+        fused experts), e.g. for ``hf_model.load_state_dict``."""
+        self.check_exportable(cfg)
+        self.check_state(TensorSource(state), cfg)
+        out = {}
+        for r, i in self.rows(cfg):
+            tensors = r.to_module(*(state[n] for n in names(r.ours, i)))
+            out.update(zip(names(r.module, i), (t.contiguous() for t in tensors)))
+        if cfg.tie_embeddings:
+            out[self._theirs("lm_head.weight")] = out[self._theirs("embed.weight")]
+        return out
+
+    def file_tensors(
+        self, get: Callable[[str], torch.Tensor], cfg: TransformerConfig
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint file's (name, tensor), in table order, from ``get(our name)``.
+
+        Each of our tensors is got once and dropped before the next is got, so with a lazy ``get`` (a
+        checkpoint read tensor by tensor) one of our parameters is in memory at a time; with
+        ``get=src.meta`` this yields the file's names and shapes without reading anything. Expert
+        weights go out weight by weight (every expert's ``w1``, then ``w3``, then ``w2``): the order
+        of a file does not matter to its readers."""
+        for r, i in self.rows(cfg):
+            if not r.experts:
+                outs = r.to_module(*(get(n) for n in names(r.ours, i)))
+                yield from zip(names(r.file, i), outs)
+                del outs
+                continue
+            for j, name in enumerate(names(r.ours, i)):
+                t = get(name)
+                for e in range(cfg.moe.num_experts):
+                    yield names(r.file, i, e)[j], t[e].t()
+                del t
+
+    def read(self, files: TensorSource, cfg: TransformerConfig, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """Our state dict (experts ``[lo, hi)``) from a checkpoint of ``cfg``, in either file layout
+        (the Hub's, one tensor per expert, or a raw transformers 5 ``state_dict()``, fused); refuses
+        a checkpoint that holds tensors the table does not know (biases, a second model...), naming
+        them."""
+        fused = any(r.experts and names(r.module, 0)[0] in files for r in self.table)
+        state, used = {}, set()
+        for r, i in self.rows(cfg):
+            ours = names(r.ours, i)
+            if not r.experts or fused:
+                theirs = names(r.module if fused else r.file, i)
+                sliced = (lo, hi) if r.experts else ()
+                state.update(zip(ours, r.to_ours(*(files.get(n, *sliced) for n in theirs))))
+                used.update(theirs)
+            else:
+                for j, name in enumerate(ours):
+                    state[name] = torch.stack([files.get(names(r.file, i, e)[j]).t() for e in range(lo, hi)])
+                used.update(n for e in range(cfg.moe.num_experts) for n in names(r.file, i, e))
+        for i in range(cfg.n_layers):
+            state.update({n: torch.zeros(cfg.moe.num_experts) for n in names(self.zero_in_theirs, i)})
+        if cfg.tie_embeddings:
+            used.add(self._theirs("lm_head.weight"))  # transformers ties it to the embedding, whatever the file holds
+        unknown = sorted(n for n in files.keys() if n not in used and not n.endswith(IGNORED_SUFFIXES))
+        if unknown:
+            raise ValueError(
+                f"the checkpoint holds tensors a {self.name} model of its config does not have, e.g. {unknown[:6]} "
+                f"({len(unknown)} in all); our model has no biases or extra modules"
+            )
+        return state
+
+    # --- export and import ---------------------------------------------------------------------
+
+    def export(
+        self,
+        src,
+        out_dir: str | os.PathLike,
+        cfg: TransformerConfig | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ) -> Path:
+        """Write ``src`` as a transformers checkpoint directory of this family (``export_mixtral``
+        documents the arguments)."""
+        if isinstance(src, Transformer):
+            cfg = src.cfg if cfg is None else cfg
+            src = TensorSource(src.state_dict())
+        elif isinstance(src, (str, os.PathLike)):
+            src = SafetensorsFiles(Path(src))
+        elif not isinstance(src, TensorSource):
+            src = TensorSource(dict(src))
+        if cfg is None:
+            raise ValueError(
+                f"export_{self.model_type} needs cfg (the model's TransformerConfig) unless src is a Transformer"
+            )
+        self.check_exportable(cfg)
+        self.check_state(src, cfg)
+        dtype = src.meta("embed.weight").dtype if dtype is None else dtype
+        out = check_no_weights(out_dir)
+        plan = plan_shards(list(self.file_tensors(src.meta, cfg)), dtype, max_shard_bytes)
+        self.hf_config(cfg, dtype).save_pretrained(out)
+        write_sharded(out, plan, self.file_tensors(src.get, cfg), dtype)
+        return out
+
+    @torch.no_grad()
+    def load(
+        self,
+        open_tensors: Callable[[], TensorSource],
+        hf_cfg,
+        model: Transformer | None,
+        where: str,
+        *,
+        max_seq_len: int | None = None,
+        layout=None,
+        ep_group=None,
+        dp_group=None,
+        **moe_kw,
+    ) -> Transformer:
+        """``model`` (or a new ``Transformer`` of ``hf_cfg``) holding the tensors ``open_tensors()``
+        opens, once the configs are checked (``import_mixtral`` documents the arguments)."""
+        if model is None:
+            model = Transformer(
+                self.transformer_config(hf_cfg, max_seq_len=max_seq_len, **moe_kw),
+                layout=layout,
+                ep_group=ep_group,
+                dp_group=dp_group,
+            )
+        else:
+            bad = self.config_mismatches(model.cfg, hf_cfg)
+            if bad:
+                raise ValueError(f"{where}: the model's config does not match the checkpoint's: " + "; ".join(bad))
+        experts = model.moe_layers()[0].experts
+        lo = experts.expert_offset
+        state = self.read(open_tensors(), model.cfg, lo, lo + experts.num_local)
+        if model.cfg.tie_embeddings:
+            state["lm_head.weight"] = state["embed.weight"]
+        model.load_state_dict(state, strict=True)
+        return model
