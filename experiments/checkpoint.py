@@ -19,7 +19,7 @@ import torch
 
 from experiments.training.checkpointing import is_checkpoint
 from experiments.training.export import CheckpointTensors, consolidate, export_hf
-from moe.hf_mixtral import DEFAULT_SHARD_BYTES
+from moe.hf.safetensors_io import DEFAULT_SHARD_BYTES
 from zero import checkpoint as zc
 
 # CheckpointTensors: the reader the commands use, reachable here for whoever wraps or patches it

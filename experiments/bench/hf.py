@@ -10,7 +10,7 @@ transformers 5.24 ``grouped_mm``: torch's grouped matmul, which has a CPU kernel
 names it). A step is forward, the causal-LM loss (labels = inputs, shifted inside the model; ours is given the
 same shifted targets), backward and a torch AdamW step (foreach) over every parameter. Every model
 of an architecture starts from the same weights (the patched one is a deep copy of the stock model;
-ours gets the stock Mixtral's weights through ``moe.hf_mixtral``'s table) and sees the same batch;
+ours gets the stock Mixtral's weights through ``moe.hf.mixtral``'s table) and sees the same batch;
 the first step's losses are printed beside the times so that can be checked. Balancing losses are
 off in every model (transformers computes its balancing loss only when asked for router logits),
 so each computes the same thing.
@@ -139,7 +139,7 @@ def hf_model(arch: str, D: int, F: int, E: int, K: int, layers: int, seq: int, v
 
 def ours_for(stock):
     """Our Transformer holding the stock Mixtral's weights (the mapping table), balancing losses off."""
-    from moe.hf_mixtral import import_mixtral_state_dict
+    from moe.hf.mixtral import import_mixtral_state_dict
 
     return import_mixtral_state_dict(
         stock.state_dict(),

@@ -76,7 +76,7 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transform
     model = Transformer(mcfg, layout=layout)
     init_from = cfg.model.get("init_from", None)
     if init_from:
-        from moe.hf_mixtral import import_mixtral  # needs the [hf] extra
+        from moe.hf.mixtral import import_mixtral  # needs the [hf] extra
 
         import_mixtral(init_from, model)
     return model

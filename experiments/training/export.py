@@ -12,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.training.schema import model_config
-from moe.hf_mixtral import DEFAULT_SHARD_BYTES, TensorSource, check_exportable, export_mixtral, write_safetensors
+from moe.hf.mixtral import check_exportable, export_mixtral
+from moe.hf.safetensors_io import DEFAULT_SHARD_BYTES, TensorSource, write_safetensors
 from zero import checkpoint as zc
 
 
@@ -88,7 +89,7 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write the model of a training checkpoint (any layout) as a transformers Mixtral checkpoint
-    directory (``moe.hf_mixtral.export_mixtral``), with the architecture from the checkpoint's
+    directory (``moe.hf.mixtral.export_mixtral``), with the architecture from the checkpoint's
     ``config.yaml``. Reads one parameter at a time (the largest: one layer's ``w1``, ``w3`` or
     ``w2`` over all experts, or the embedding). A config Mixtral cannot compute is a ValueError
     naming the field."""

@@ -90,7 +90,7 @@ def _schema_from(
 
 # the model group's keys that are the trainer's, not the architecture's: (name, type, default)
 MODEL_TRAINER_FIELDS = (
-    # a transformers Mixtral checkpoint directory whose weights the run starts from (moe.hf_mixtral)
+    # a transformers Mixtral checkpoint directory whose weights the run starts from (moe.hf.mixtral)
     ("init_from", str | None, None),
 )
 # the model group: TransformerConfig without its `moe` field (the moe group is separate), plus

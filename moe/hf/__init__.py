@@ -18,7 +18,7 @@ Note: ``moe.hf.patch`` is the function, which hides the submodule of that name a
 ``from moe.hf.patch import X`` still reads the module (``import moe.hf.patch as m`` does not).
 """
 
-# The private names ("_x as _x") are kept here on purpose: tests and experiments/bench_hf.py read
+# The private names ("_x as _x") are kept here on purpose: tests and experiments/bench/hf.py read
 # moe.hf._BLOCKS and moe.hf._patched_layers; a patched model pickled while this package was one
 # module, moe/hf.py, names _new_tap, _SavePretrained and _load_stock_layout as moe.hf.<name>.
 from .adapter import fused_to_ours, ours_to_fused

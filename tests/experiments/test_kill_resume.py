@@ -9,7 +9,7 @@ the final checkpoint), and within 1e-6 of one process.
 
 The draw comes from ``SWITCHYARD_KILL_SEED`` when set (an integer), else from a fresh random seed;
 the seed and what it drew are printed and are part of every assertion message, so a failure is
-reproduced with ``SWITCHYARD_KILL_SEED=<seed> pytest tests/test_kill_resume.py``.
+reproduced with ``SWITCHYARD_KILL_SEED=<seed> pytest tests/experiments/test_kill_resume.py``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 8, 2
 RUN = [*cc.TRAIN, f"train.steps={STEPS}", f"train.checkpoint.every={EVERY}", "parallel=ep2", "parallel.zero_stage=3"]
-LOSS_RTOL = 1e-6  # another layout than one process: summation order only (tests/test_checkpoint.py)
+LOSS_RTOL = 1e-6  # another layout than one process: summation order only (tests/zero/test_checkpoint.py)
 TIMEOUT_S = 300
 
 

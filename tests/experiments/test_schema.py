@@ -1,4 +1,4 @@
-"""The config schema (experiments/schema.py): yaml files hold deltas only, typos and wrong types stop
+"""The config schema (experiments/training/schema.py): yaml files hold deltas only, typos and wrong types stop
 composition naming the key, every config composes into valid moe configs, moe stays hydra-free."""
 
 import dataclasses

@@ -478,7 +478,7 @@ def test_patched_model_compiles_with_no_graph_break_of_its_own_and_matches_eager
     to the ones transformers' model already has (its output recorder), and a compiled training
     forward and backward equal the eager ones. ``aot_eager``: dynamo and AOTAutograd trace and
     partition as for Inductor but run eager kernels, so a break or a wrong fake shape shows in
-    seconds (tests/test_compile.py); 1e-5 relative as everywhere here (a decomposition may sum in
+    seconds (tests/moe/test_compile.py); 1e-5 relative as everywhere here (a decomposition may sum in
     another order; measured with Inductor on Qwen3-MoE and DeepSeek-V3 models of this size: 6e-7 on
     the gradients)."""
     import torch._dynamo

@@ -1,9 +1,9 @@
 """The CUDA paths against their CPU runs: Triton kernels at GPU sizes, the MoE layer, fused AdamW,
 a Transformer's training steps and ZeroEngine on a GPU. Skipped where no GPU is visible (CI here);
-run them on a GPU box with ``python -m pytest -q tests/test_cuda.py`` (no hydra or wandb needed).
+run them on a GPU box with ``python -m pytest -q tests/kernels/test_cuda.py`` (no hydra or wandb needed).
 
 Compiled kernels: Triton decides at decoration time whether a kernel runs in its interpreter, and
-``tests/test_kernels.py`` imports the kernels under ``TRITON_INTERPRET=1`` (pytest imports every test
+``tests/kernels/test_triton_ops.py`` imports the kernels under ``TRITON_INTERPRET=1`` (pytest imports every test
 module before it runs any). In such a session (``make test``) this module's tests skip in-process
 and ``test_in_fresh_process`` runs them in a new interpreter without ``TRITON_INTERPRET``;
 ``test_triton_kernels_are_compiled`` checks there that a launch produced a GPU binary.
@@ -55,7 +55,7 @@ def _compiled_kernels(request):
         if os.environ.get(_CHILD):
             pytest.fail("the Triton kernels are interpreted even in the fresh process")
         pytest.skip(
-            "Triton kernels run interpreted in this process (tests/test_kernels.py imported them under "
+            "Triton kernels run interpreted in this process (tests/kernels/test_triton_ops.py imported them under "
             "TRITON_INTERPRET=1); test_in_fresh_process runs this module with compiled kernels"
         )
     yield
@@ -337,7 +337,7 @@ _GPU_OPTIMIZERS = {
 )
 def test_zero_engine_on_gpu_matches_the_same_optimizer(stage, offload, mp, opt):
     # one process: no collective runs, but every buffer, gather/free, offload copy and the update
-    # run on CUDA tensors; the multi-rank paths are the gloo tests' (tests/test_zero.py)
+    # run on CUDA tensors; the multi-rank paths are the gloo tests' (tests/zero/test_engine.py)
     from zero import ZeroEngine
 
     factory, reference = _GPU_OPTIMIZERS[opt]

@@ -1,4 +1,4 @@
-"""MoELayer against the naive per-token loop of tests/naive.py: outputs and every gradient.
+"""MoELayer against the naive per-token loop of tests/support/naive.py: outputs and every gradient.
 
 Shapes follow the project's legend (docs/design.md).
 

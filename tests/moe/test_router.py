@@ -1,4 +1,4 @@
-"""Router against the naive per-token router of tests/naive.py.
+"""Router against the naive per-token router of tests/support/naive.py.
 
 Shapes follow the project's legend (docs/design.md).
 """

@@ -1,4 +1,4 @@
-"""torchrun entry point of the kill-and-resume tests (tests/test_kill_resume.py): ``experiments.train``
+"""torchrun entry point of the kill-and-resume tests (tests/experiments/test_kill_resume.py): ``experiments.train``
 itself, except that one rank SIGKILLs itself at the point ``SWITCHYARD_TEST_KILL`` names for this
 attempt, so torchrun must restart the group and the trainer resume on its own.
 ``SWITCHYARD_TEST_KILL`` is a comma-separated list of ``<moment>:<step>:<rank>``, the i-th for

@@ -25,7 +25,7 @@ from zero import checkpoint as zc
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 # Tolerance of a resumed run under another layout against the uninterrupted single-process run:
-# the layouts sum gradients in another order (~1e-7 relative per step; tests/test_zero.py), and
+# the layouts sum gradients in another order (~1e-7 relative per step; tests/zero/test_engine.py), and
 # Adam at eps 1e-4 passes that on over 6 steps. Measured: <= 2.4e-7 relative on losses, <= 1.9e-7
 # absolute on weights of size ~0.1-1. A chunk loaded at a wrong offset, a lost optimizer moment or
 # a stale replica moves a loss by > 1e-3.
@@ -89,7 +89,7 @@ def test_every_layout_resumes_every_other(matrix):
     results, _ = matrix
     ref = results[("single", None)][0]
     ref_w = whole(ref)
-    # every layout trains like one process (tests/test_zero.py), uninterrupted (src None) or resumed
+    # every layout trains like one process (tests/zero/test_engine.py), uninterrupted (src None) or resumed
     pairs = [(name, src) for name in cc.LAYOUTS for src in cc.LAYOUTS]
     pairs += [(name, None) for name in cc.LAYOUTS_ALL] + [("single", "dp2_z0")]
     for name, src in pairs:
@@ -522,7 +522,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     from experiments.training.data import build_data
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # a service of this test's own (tests/test_train.py)
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # a service of this test's own (tests/experiments/test_train.py)
     wb = ["logger=wandb", "logger.mode=offline", "train.eval_every=3"]
     data = build_data(cc.train_cfg().data, seed=0)
     try:

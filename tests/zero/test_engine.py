@@ -1,5 +1,5 @@
 """ZeRO stages 0-3 (+ offload, + expert parallelism) with the default optimizer (FusedAdamW) against
-single-process torch.optim.AdamW. Other optimizers: tests/test_zero_optim.py.
+single-process torch.optim.AdamW. Other optimizers: tests/zero/test_optim.py.
 
 Every distributed configuration runs inside one spawn of ranks (a spawn costs seconds of imports on
 this machine): the rank function loops over stages, ep sizes, accumulation, clipping and offload and
