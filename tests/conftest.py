@@ -1,8 +1,9 @@
 """Fixtures every test folder shares, and the guard that keeps the ``distributed`` marker honest.
 
-``python -m pytest -m "not distributed"`` runs the single-process suite; a test that spawns ranks
-(``tests.support.dist.run_distributed``) or torchrun agents must carry ``@pytest.mark.distributed``
-(or a module-level ``pytestmark``), and one that does not fails at once, naming the marker.
+``python -m pytest -m "not distributed"`` runs the single-process suite: a test that starts another
+process (gloo ranks through ``tests.support.dist.run_distributed``, torchrun agents, a fresh
+interpreter) carries ``@pytest.mark.distributed`` (tests/test_markers.py checks every test file), and
+``run_distributed`` refuses to start in a test without it.
 """
 
 import os
@@ -11,6 +12,23 @@ import pytest
 import torch
 
 from tests.support.dist import MARKED_ENV
+
+# Triton picks its interpreter when it is first imported (its library functions are decorated then)
+# and when a kernel is decorated. Without CUDA triton can only run interpreted, so it and the
+# project's kernels are imported that way before any test module can import them otherwise: the
+# kernel tests then run in this process (tests/kernels/test_triton_ops.py), not in a fresh one.
+if not torch.cuda.is_available():
+    _previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import routing_kernels.triton_ops  # noqa: F401
+    except ImportError:  # no triton (not Linux): the kernel tests skip themselves
+        pass
+    finally:
+        if _previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _previous
 
 
 def pytest_runtest_setup(item):

@@ -266,6 +266,7 @@ def _submitit_task(folder: Path, job_id: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.distributed
 def test_submitit_requeues_a_preempted_job_after_its_save_and_the_requeued_job_resumes(tmp_path):
     """submitit's own handler, driven locally: its preemption signal (USR2) in step 4 of 6; the
     trainer finishes the step, saves, writes its summary, then hands over to submitit's handler,
@@ -320,6 +321,7 @@ def test_the_preemption_signals_in_and_out_of_a_submitit_job():
         preemption_signals({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_PREEMPT_SIGNAL": "SIGUSR2"})
 
 
+@pytest.mark.distributed
 def test_a_kill_right_after_a_resume_loses_no_metrics_row(tmp_path):
     """A resumed run keeps the rows up to its checkpoint and drops the later ones. A kill before the
     resumed run's first row is flushed must leave those kept rows on disk (the kill seed 178465144

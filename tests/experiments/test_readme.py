@@ -75,6 +75,7 @@ def _run(module: str, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.distributed
 def test_every_checkpoint_subcommand_exists():
     subcommands = {a[0] for m, a in COMMANDS if m == "experiments.checkpoint"}
     assert subcommands >= {"verify", "consolidate", "export-hf"}
@@ -83,12 +84,14 @@ def test_every_checkpoint_subcommand_exists():
         assert p.returncode == 0, (sub, p.stderr[-2000:])
 
 
+@pytest.mark.distributed
 def test_every_benchmark_module_starts():
     for module in sorted({m for m, _ in COMMANDS if m.startswith("experiments.bench.")}):
         p = _run(module, ["--help"])
         assert p.returncode == 0 and "usage" in p.stdout, (module, p.stderr[-2000:])
 
 
+@pytest.mark.distributed
 def test_the_quick_commands_run_as_written():
     for module, args in COMMANDS:
         if module == "zero.memory" or (module == "experiments.train" and "--cfg" in args):

@@ -189,6 +189,7 @@ def test_added_key_is_rejected_before_training():
     schema.check_keys(OmegaConf.create({"anything": {"goes": 1}}))  # untyped configs are not checked
 
 
+@pytest.mark.distributed
 def test_moe_zero_kernels_import_without_hydra():
     # hydra, omegaconf, wandb and transformers made unimportable: the library packages must not need them
     code = (

@@ -394,6 +394,7 @@ def test_wandb_sweep_drives_the_same_entry_point():
             assert OmegaConf.select(cfg, k) == v["values"][-1]
 
 
+@pytest.mark.distributed
 def test_cli_multirun(tmp_path, stdlib):  # stdlib: the data cache exists before the jobs start
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     sweep_dir = tmp_path / "sweep"

@@ -627,6 +627,7 @@ def _mixtral_gelu():
     return cfg
 
 
+@pytest.mark.distributed
 def test_core_packages_import_without_transformers():
     import subprocess
     import sys

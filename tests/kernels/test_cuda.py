@@ -61,6 +61,7 @@ def _compiled_kernels(request):
     yield
 
 
+@pytest.mark.distributed
 def test_in_fresh_process():
     if not _kernels_interpreted_here():
         pytest.skip("the kernels are compiled in this process: this module's tests ran here")

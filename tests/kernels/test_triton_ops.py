@@ -387,6 +387,7 @@ def test_fused_adamw_optimizer_bf16_params_keep_fp32_master():
         assert not torch.equal(a.detach(), s.detach())
 
 
+@pytest.mark.distributed
 def test_imports_stay_light():
     # moe, zero and routing_kernels must import on a box without hydra/wandb/transformers, and triton must stay
     # lazy until a Triton path runs
@@ -405,6 +406,7 @@ def test_imports_stay_light():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
 def test_in_fresh_process():
     # this module's tests, run where triton is first imported with the interpreter on

@@ -493,6 +493,7 @@ def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_pat
         assert (out / "config.yaml").is_file()
 
 
+@pytest.mark.distributed
 def test_zero_checkpoint_imports_without_moe_or_hydra():
     import subprocess
     import sys

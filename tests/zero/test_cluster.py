@@ -144,6 +144,7 @@ def test_slurm_launcher_config_composes():
     assert launcher.gpus_per_node == 4 and launcher.signal_delay_s == 300 and launcher.nodes == 1
 
 
+@pytest.mark.distributed
 def test_multirun_through_the_submitit_local_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from experiments.training.data import load_stdlib
