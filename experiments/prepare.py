@@ -131,8 +131,9 @@ def _import_optional(name: str, what: str):
 
 
 class _Planner:
-    def __init__(self, field_name: str, exclude: Sequence[str], task_bytes: int):
+    def __init__(self, field_name: str, exclude: Sequence[str], task_bytes: int, skip: Sequence[Path] = ()):
         self.field, self.exclude, self.task_bytes = field_name, set(exclude), task_bytes
+        self.skip = {Path(p).expanduser().resolve() for p in skip}  # the output, should it lie inside a source
         self.tasks: list[dict] = []
 
     def plan(self, sources: Sequence[str | os.PathLike]) -> list[Source]:
@@ -179,7 +180,7 @@ class _Planner:
                     src.skipped["other suffix"] += 1
             keep = []
             for name in sorted(dirnames):
-                if name.startswith(".") or name in self.exclude:
+                if name.startswith(".") or name in self.exclude or (d / name).resolve() in self.skip:
                     continue
                 if _is_dataset_dir(d / name):
                     self._flush_text(i, src, pending)
@@ -584,7 +585,7 @@ class _Prepare:
         )
         self.shard_bytes = max(1, int(shard_mb * (1 << 20)))
         self.task_bytes = min(TASK_BYTES, self.shard_bytes)  # shards are whole tasks: none may exceed one
-        planner = _Planner(field_name, exclude, self.task_bytes)
+        planner = _Planner(field_name, exclude, self.task_bytes, skip=[self.out])
         self.sources = planner.plan(sources)
         self.tasks = planner.tasks
         self.shards: list[list[dict]] = []  # consecutive tasks, about shard_bytes of text each
@@ -669,7 +670,7 @@ class _Prepare:
         ]
         if differs:
             raise ValueError(
-                f"{str(self.out)!r} already holds data prepared from other inputs ({', '.join(differs)} differ); "
+                f"{str(self.out)!r} already holds data prepared from other inputs (different: {', '.join(differs)}); "
                 f"pass another --out, or delete {str(self.out)!r} to prepare it again"
             )
         for name, want in m["files"].items():
