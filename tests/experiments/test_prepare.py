@@ -131,6 +131,11 @@ def test_shards_are_the_tokenizers_own_ids_in_order(tmp_path, kind, request):
         assert [d.tolist() for d in got] == ref, split
         assert np.asarray(ds.train if split == "train" else ds.val).tolist() == [t for r in ref for t in r]
         assert ds.num_docs(split) == len(ref) and ds.document(split, 1).tolist() == ref[1]
+    # windows across shard boundaries read as one array (how the trainer samples sequences)
+    whole, rng = np.asarray(ds.train), np.random.default_rng(0)
+    for start in rng.integers(0, len(whole) - 300, 50):
+        assert np.array_equal(ds.train[int(start) : int(start) + 300], whole[start : start + 300])
+    assert ds.train[-1] == whole[-1] and len(ds.train.parts) == len(ds.manifest["shards"])
     m = ds.manifest
     assert m["counts"]["docs"] == len(docs) and m["split"]["moved"] is None
     assert m["separator"] == load_tokenizer(spec).separator.as_dict()
