@@ -708,7 +708,9 @@ class _Prepare:
             return
         import multiprocessing
 
-        # spawn: a fresh interpreter per worker, never a fork of this process's threads and locks
+        # spawn: a fresh interpreter per worker, never a fork of this process's threads, locks or started
+        # tokenizer thread pool. (forkserver would not save the workers' import of the caller's main module:
+        # CPython 3.11's forkserver does not preload __main__, measured here, so each worker imports it anyway.)
         ex = ProcessPoolExecutor(
             min(self.workers, len(tasks)),
             mp_context=multiprocessing.get_context("spawn"),
