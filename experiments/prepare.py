@@ -27,7 +27,7 @@ document keeps its side when the corpus is moved, re-sharded into other files or
 document never straddles the split. Where one side would be empty (a small corpus), the document
 nearest the threshold crosses over, so both are non-empty when there are two documents or more.
 
-Work: the sources are planned into tasks of about 1 MiB of text (groups of files, byte ranges of
+Work: the sources are planned into tasks of about 256 KiB of text (groups of files, byte ranges of
 a .jsonl cut at line ends, row ranges) and consecutive tasks into shards of about ``--shard-mb``
 of text; both from the inputs alone, so the bytes never depend on ``--workers``. Worker processes
 (spawned; each loads the tokenizer once) tokenize tasks; the main process writes the shards in
@@ -87,7 +87,7 @@ TEXT_SUFFIXES = frozenset(
     ".sql .r .jl .lua .rb .php .pl .hs .ml .ex .exs .erl .clj .el .vim .cmake .mk .proto".split()
 )
 DEFAULT_EXCLUDE = ("__pycache__", "node_modules", "site-packages", "dist-packages")
-TASK_BYTES = 1 << 20
+TASK_BYTES = 1 << 18  # small enough that the last tasks leave no worker idle for long
 SHARD_MB = 128
 VALID_SOURCES = (
     "text files and folders (" + ", ".join(sorted(TEXT_SUFFIXES)[:6]) + ", ...), .jsonl with one JSON object per line, "
@@ -137,6 +137,8 @@ class _Planner:
         self.tasks: list[dict] = []
 
     def plan(self, sources: Sequence[str | os.PathLike]) -> list[Source]:
+        if isinstance(sources, (str, os.PathLike)):  # one source, not its characters
+            sources = [sources]
         if not sources:
             raise ValueError(f"no sources given: expected {VALID_SOURCES}")
         out = []
@@ -1103,7 +1105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--exclude",
         action="append",
         default=None,
-        help=f"a folder name to skip (default: {', '.join(DEFAULT_EXCLUDE)})",
+        help=f"a folder name to skip, repeatable; replaces the default ({', '.join(DEFAULT_EXCLUDE)})",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
