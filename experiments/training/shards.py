@@ -346,6 +346,7 @@ class PreparedDataset:
                     "again with this tokenizer, or train with the one it was prepared with"
                 )
         self._tokens = {s: [] for s in SPLITS}
+        self._offsets: dict[str, np.ndarray] = {}
         self._index = {s: [] for s in SPLITS}
         for shard in m["shards"]:
             for split, (bin_name, idx_name) in shard_names(shard["index"]).items():
@@ -386,12 +387,17 @@ class PreparedDataset:
                 )
 
     def offsets(self, split: str) -> np.ndarray:
-        """The split's document index over ``train``/``val`` (int64, one more than the documents)."""
-        parts, base, out = self._index[self._split(split)], 0, [np.zeros(1, dtype=np.int64)]
-        for idx in parts:
-            out.append(np.asarray(idx[1:]) + base)
-            base += int(idx[-1])
-        return np.concatenate(out)
+        """The split's document index over ``train``/``val`` (int64, one more than the documents;
+        built once, in memory: 8 bytes a document)."""
+        split = self._split(split)
+        if split not in self._offsets:
+            parts, base, out = self._index[split], 0, [np.zeros(1, dtype=np.int64)]
+            for idx in parts:
+                out.append(np.asarray(idx[1:]) + base)
+                base += int(idx[-1])
+            self._offsets[split] = np.concatenate(out)
+            self._offsets[split].flags.writeable = False  # shared by every caller
+        return self._offsets[split]
 
     def num_docs(self, split: str) -> int:
         return sum(len(idx) - 1 for idx in self._index[self._split(split)])
