@@ -50,6 +50,7 @@ import errno
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -541,6 +542,8 @@ def _init_worker(args: tuple) -> None:
     # the workers are the parallelism: one thread each, or N processes x N tokenizer threads thrash
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
+    # Ctrl-C is the main process's to handle (it stops the workers): no traceback from every worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     global _WORKER
     _WORKER = _Worker(*args)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
