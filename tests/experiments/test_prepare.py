@@ -234,6 +234,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.distributed
 def test_sigkill_mid_prepare_resumes_to_the_same_bytes(tmp_path, bpe):
     src = tmp_path / "src"
     src.mkdir()

@@ -210,6 +210,7 @@ def test_refusals(tmp_path, bpe):
         train_bpe([], 300, tmp_path / "t.json")
 
 
+@pytest.mark.distributed
 def test_core_packages_do_not_import_tokenizers():
     code = (
         "import sys, moe, zero, routing_kernels, experiments.prepare, experiments.training.shards; "
