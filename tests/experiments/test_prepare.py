@@ -144,6 +144,7 @@ def test_shards_are_the_tokenizers_own_ids_in_order(tmp_path, kind, request):
     assert [s["docs"] for s in m["sources"][1:]] == [30, 40]
 
 
+@pytest.mark.distributed
 def test_workers_and_shard_size_do_not_change_the_documents(tmp_path, bpe):
     sources, docs = _corpus(tmp_path)
     a = prepare(sources, bpe, tmp_path / "a", workers=0, val_fraction=0.25, shard_mb=0.0005, progress=False)
