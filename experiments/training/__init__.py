@@ -10,6 +10,8 @@
 - ``nonfinite``: skipped steps and when a run stops;
 - ``checkpointing`` and ``preemption``: saving, resuming, and stopping on a scheduler's signal;
 - ``export``: a checkpoint as safetensors or a transformers directory (``python -m experiments.checkpoint``).
+- ``corpus`` and ``preparing``: ``python -m experiments.prepare``'s sources (planned, read) and its work
+  (tokenizing workers, the shards written and resumed).
 
 Importing this package imports none of them, so ``experiments.training.data`` stays light.
 """

@@ -1,0 +1,651 @@
+"""The work of ``python -m experiments.prepare``: tokenizing tasks in worker processes, and writing shards.
+
+``prepare`` and ``prepare_cached`` (see ``experiments.prepare`` for the format, the split and the
+resume); the sources are planned and read by ``experiments.training.corpus``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from experiments.training.corpus import (
+    DEFAULT_EXCLUDE,
+    TASK_BYTES,
+    VALID_SOURCES,
+    _Planner,
+    _skipped_text,
+    read_task,
+    sources_hash,
+)
+from experiments.training.shards import (
+    FORMAT,
+    KIND,
+    MANIFEST,
+    SPLITS,
+    TMP,
+    NoSpaceError,
+    ShardWriter,
+    digest_file,
+    is_shard_file,
+    read_manifest,
+    record_name,
+    shard_names,
+    token_dtype,
+    write_json_durably,
+)
+from experiments.training.tokenizer import Tokenizer, load_tokenizer, padded_vocab
+
+SHARD_MB = 128
+PAUSE_ENV = "SWITCHYARD_PREPARE_TEST_PAUSE_S"  # tests: seconds to sleep after each recorded shard, to kill mid-way
+
+
+# ----------------------------------------------------------------------------- tokenizing (workers)
+
+
+class _Worker:
+    def __init__(self, tokenizer: Tokenizer, field_name: str, threshold: int, split_seed: int, dtype: str):
+        self.tok, self.field, self.threshold, self.seed = tokenizer, field_name, threshold, split_seed
+        self.dtype = np.dtype(dtype)
+
+    def run(self, task: dict) -> dict:
+        skipped: Counter = Counter()
+        docs = {s: [] for s in SPLITS}
+        extremes: dict = {"train_min": None, "val_max": None}
+        text_bytes = 0
+        for text, nul_at in read_task(task, self.field, skipped):
+            if nul_at and self.tok.kind == "bytes":
+                raise ValueError(
+                    f"{nul_at}: the text holds a NUL character, which the bytes tokenizer reserves as its document "
+                    "separator; remove it, or use a tokenizer.json"
+                )
+            raw = text.encode("utf-8")
+            text_bytes += len(raw)
+            u = xxhash.xxh3_64_intdigest(raw, seed=self.seed)
+            split = "val" if u < self.threshold else "train"
+            k = len(docs[split])
+            if split == "train" and (extremes["train_min"] is None or u < extremes["train_min"][0]):
+                extremes["train_min"] = [u, k]
+            if split == "val" and (extremes["val_max"] is None or u > extremes["val_max"][0]):
+                extremes["val_max"] = [u, k]
+            docs[split].append(text)
+        out = {"source": task["source"], "text_bytes": text_bytes, "skipped": dict(skipped), **extremes}
+        for split in SPLITS:
+            if docs[split]:
+                out[split] = self.tok.encode_documents(docs[split], self.dtype)
+            else:
+                out[split] = (np.zeros(0, dtype=self.dtype), np.zeros(0, dtype=np.int64))
+        return out
+
+
+_WORKER: _Worker | None = None
+
+
+def _watch_parent(ppid: int) -> None:
+    # a prepare killed with SIGKILL cannot stop its workers, which would wait on its queue forever
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != ppid:
+            os._exit(1)
+
+
+def _init_worker(args: tuple) -> None:
+    # the workers are the parallelism: one thread each, or N processes x N tokenizer threads thrash
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    # Ctrl-C is the main process's to handle (it stops the workers): no traceback from every worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global _WORKER
+    _WORKER = _Worker(*args)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _run_task(task: dict) -> dict:
+    return _WORKER.run(task)
+
+
+# ----------------------------------------------------------------------------- the prepare
+
+
+def _digest(obj) -> str:
+    return xxhash.xxh3_128(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+class _Prepare:
+    def __init__(
+        self,
+        sources,
+        tok: Tokenizer,
+        out: Path,
+        *,
+        field_name,
+        workers,
+        val_fraction,
+        split_seed,
+        shard_mb,
+        exclude,
+        progress,
+    ):
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1) (0: no validation split)")
+        if workers is not None and workers < 0:
+            raise ValueError(f"workers={workers} must be >= 0 (0: tokenize in this process)")
+        if not shard_mb > 0:
+            raise ValueError(f"shard_mb={shard_mb} must be positive")
+        self.tok, self.out, self.progress = tok, Path(out).expanduser(), progress
+        self.field, self.val_fraction, self.split_seed = field_name, float(val_fraction), int(split_seed)
+        self.workers = (
+            (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+            if workers is None
+            else workers
+        )
+        self.shard_bytes = max(1, int(shard_mb * (1 << 20)))
+        self.task_bytes = min(TASK_BYTES, self.shard_bytes)  # shards are whole tasks: none may exceed one
+        planner = _Planner(field_name, exclude, self.task_bytes, skip=[self.out])
+        self.sources = planner.plan(sources)
+        self.tasks = planner.tasks
+        self.shards: list[list[dict]] = []  # consecutive tasks, about shard_bytes of text each
+        size = self.shard_bytes
+        for t in self.tasks:
+            if size >= self.shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(t)
+            size += t["bytes"]
+        self.vocab_size = padded_vocab(tok.vocab_size)
+        self.dtype = token_dtype(self.vocab_size)
+        self.params = {
+            "field": field_name,
+            "val_fraction": self.val_fraction,
+            "split_seed": self.split_seed,
+            "shard_bytes": self.shard_bytes,
+            "task_bytes": self.task_bytes,
+        }
+        self.sources_hash = sources_hash(self.sources, field_name)
+        self.threshold = int(self.val_fraction * 2**64)
+
+    def cache_key(self) -> str:
+        return _digest([FORMAT, self.sources_hash, self.tok.fingerprint(), self.params])
+
+    def shard_key(self, i: int) -> str:
+        tasks = [{k: v for k, v in t.items() if k != "bytes"} for t in self.shards[i]]
+        return _digest([FORMAT, self.tok.fingerprint(), self.dtype.name, self.params, tasks])
+
+    # -------------------------------------------------------------------- the run
+
+    def run(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with _Lock(self.out):
+            if self._complete():
+                return self.out
+            for p in self.out.iterdir():  # temporaries of an interrupted run
+                if p.name.endswith(TMP) and is_shard_file(p.name):
+                    p.unlink()
+            records = {i: r for i in range(len(self.shards)) if (r := self._valid_record(i)) is not None}
+            self._bar = _bar(
+                self.progress,
+                sum(t["bytes"] for t in self.tasks),
+                sum(t["bytes"] for i in records for t in self.shards[i]),
+            )
+            try:
+                records.update(self._tokenize([i for i in range(len(self.shards)) if i not in records], records))
+                records = self._balance_split(records)
+            finally:
+                self._bar.close()
+            self._check_documents(records)
+            for p in self.out.iterdir():  # shards of an earlier, larger plan
+                if (
+                    is_shard_file(p.name)
+                    and p.name != MANIFEST
+                    and int(p.name.split("-")[1].split(".")[0]) >= len(self.shards)
+                ):
+                    p.unlink()
+            try:
+                write_json_durably(self.out / MANIFEST, self._manifest(records))
+            except OSError as e:
+                (self.out / (MANIFEST + TMP)).unlink(missing_ok=True)
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise NoSpaceError(self.out, 1 << 20, _free(self.out), "the manifest did not fit") from None
+                raise
+        return self.out
+
+    def _complete(self) -> bool:
+        """A manifest of these inputs with every file's size intact: nothing to do. One of other
+        inputs: refused. One whose files were damaged: removed, and the shards are checked."""
+        if not (self.out / MANIFEST).exists():
+            return False
+        m = read_manifest(self.out)
+        differs = [
+            what
+            for what, a, b in (
+                ("the tokenizer", m["tokenizer"]["fingerprint"], self.tok.fingerprint()),
+                ("the sources", m["sources_hash"], self.sources_hash),
+                ("the parameters", m["params"], self.params),
+            )
+            if a != b
+        ]
+        if differs:
+            raise ValueError(
+                f"{str(self.out)!r} already holds data prepared from other inputs (different: {', '.join(differs)}); "
+                f"pass another --out, or delete {str(self.out)!r} to prepare it again"
+            )
+        for name, want in m["files"].items():
+            p = self.out / name
+            if not p.is_file() or p.stat().st_size != want["size"]:
+                (self.out / MANIFEST).unlink()
+                return False
+        return True
+
+    def _valid_record(self, i: int) -> dict | None:
+        path = self.out / record_name(i)
+        try:
+            record = json.loads(path.read_text())
+            if record.get("key") != self.shard_key(i):
+                return None
+            for name, want in record["files"].items():
+                p = self.out / name
+                if (
+                    not p.is_file()
+                    or p.stat().st_size != want["size"]
+                    or digest_file(p)["xxh3_128"] != want["xxh3_128"]
+                ):
+                    return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent, torn or foreign: redo the shard
+            return None
+        return record
+
+    def _results(self, todo: list[int]) -> Iterator[dict]:
+        tasks = [t for i in todo for t in self.shards[i]]
+        args = (self.tok, self.field, self.threshold, self.split_seed, self.dtype.name)
+        if self.workers == 0 or not tasks:
+            worker = _Worker(*args)
+            for t in tasks:
+                yield worker.run(t)
+            return
+        import multiprocessing
+
+        # spawn: a fresh interpreter per worker, never a fork of this process's threads, locks or started
+        # tokenizer thread pool. (forkserver would not save the workers' import of the caller's main module:
+        # CPython 3.11's forkserver does not preload __main__, measured here, so each worker imports it anyway.)
+        ex = ProcessPoolExecutor(
+            min(self.workers, len(tasks)),
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(args,),
+        )
+        pending: deque = deque()
+        it = iter(tasks)
+        finished = False
+        try:
+            for t in it:
+                pending.append(ex.submit(_run_task, t))
+                if len(pending) >= 2 * self.workers:
+                    break
+            while pending:
+                try:
+                    res = pending.popleft().result()
+                except BrokenProcessPool:
+                    raise RuntimeError(
+                        "a tokenizing worker process died (out of memory? its own error, if any, is printed above); "
+                        "rerun to resume, with fewer --workers"
+                    ) from None
+                t = next(it, None)
+                if t is not None:
+                    pending.append(ex.submit(_run_task, t))
+                yield res
+            finished = True
+        finally:
+            if not finished:
+                # an error or an interrupt: stop the workers now rather than after their current tasks
+                for f in pending:
+                    f.cancel()
+                for p in list((getattr(ex, "_processes", None) or {}).values()):
+                    p.terminate()
+            ex.shutdown(wait=True, cancel_futures=True)
+
+    def _tokenize(self, todo: list[int], done: dict) -> dict:
+        records = {}
+        results = self._results(todo)
+        try:
+            for i in todo:
+                records[i] = self._write_shard(i, results, done | records)
+                if os.environ.get(PAUSE_ENV):
+                    time.sleep(float(os.environ[PAUSE_ENV]))
+        finally:
+            results.close()
+        return records
+
+    def _write_shard(self, i: int, results: Iterator[dict], done: dict) -> dict:
+        base = {"train": 0, "val": 0, "train_min": None, "val_max": None}
+        sources: dict[str, dict] = {}
+        text_bytes = 0
+        writer = None
+        try:
+            writer = ShardWriter(self.out, i, self.dtype)
+            for task in self.shards[i]:
+                res = next(results)
+                for split, ext, better in (("train", "train_min", min), ("val", "val_max", max)):
+                    if res[ext] is not None:
+                        cand = [res[ext][0], base[split] + res[ext][1]]
+                        base[ext] = cand if base[ext] is None else better(base[ext], cand)
+                    tokens, lengths = res[split]
+                    writer.add(split, tokens, lengths)
+                    base[split] += len(lengths)
+                s = sources.setdefault(str(res["source"]), {"docs": 0, "skipped": {}})
+                s["docs"] += sum(len(res[split][1]) for split in SPLITS)
+                for why, n in res["skipped"].items():
+                    s["skipped"][why] = s["skipped"].get(why, 0) + n
+                text_bytes += res["text_bytes"]
+                self._bar.update(task["bytes"])
+            files = writer.commit()
+        except NoSpaceError as e:
+            raise self._no_space(e, i, done) from None
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        record = {
+            "index": i,
+            "key": self.shard_key(i),
+            "files": files,
+            "train": {"docs": writer.docs["train"], "tokens": writer.tokens["train"]},
+            "val": {"docs": writer.docs["val"], "tokens": writer.tokens["val"]},
+            "text_bytes": text_bytes,
+            "sources": sources,
+            "base": base,
+            "moved": None,
+        }
+        self._write_record(i, record, done)
+        return record
+
+    def _write_record(self, i: int, record: dict, done: dict) -> None:
+        try:
+            write_json_durably(self.out / record_name(i), record)
+        except OSError as e:
+            (self.out / (record_name(i) + TMP)).unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._no_space(NoSpaceError(self.out, 0, _free(self.out)), i, done) from None
+            raise
+
+    def _no_space(self, e: NoSpaceError, i: int, done: dict) -> NoSpaceError:
+        """The full-disk error with the room the rest of the prepare needs, estimated from the
+        shards written so far (their bytes per byte of text)."""
+        written = sum(sum(f["size"] for f in r["files"].values()) for r in done.values())
+        text = sum(r["text_bytes"] for r in done.values())
+        left = sum(t["bytes"] for j in range(len(self.shards)) if j not in done for t in self.shards[j])
+        ratio = written / text if text else self.dtype.itemsize / 2  # about 2 bytes of text per token before any shard
+        return NoSpaceError(
+            self.out,
+            int(left * ratio),
+            e.free,
+            f"shard {i} did not fit; the {len(self.shards) - len(done)} shards left need about "
+            f"{int(left * ratio)} bytes",
+        )
+
+    # -------------------------------------------------------------------- the split's two sides
+
+    def _wanted_move(self, records: dict) -> tuple[int, str, int] | None:
+        if self.val_fraction == 0:
+            return None
+        n = {s: sum(r["base"][s] for r in records.values()) for s in SPLITS}
+        if n["train"] + n["val"] < 2:
+            return None
+        if n["val"] == 0:  # the train document nearest the threshold crosses over
+            u, i, k = min(
+                (r["base"]["train_min"][0], i, r["base"]["train_min"][1])
+                for i, r in records.items()
+                if r["base"]["train_min"]
+            )
+            return i, "train", k
+        if n["train"] == 0:
+            u, i, k = max(
+                (r["base"]["val_max"][0], -i, r["base"]["val_max"][1])
+                for i, r in records.items()
+                if r["base"]["val_max"]
+            )
+            return -i, "val", k
+        return None
+
+    def _balance_split(self, records: dict) -> dict:
+        """Apply the one move that keeps both sides non-empty, decided from every shard's own
+        documents, undoing a move a resumed run's kept shard holds that these inputs do not want."""
+        move = self._wanted_move(records)
+        for i, r in sorted(records.items()):
+            want = [move[1], move[2]] if move and move[0] == i else None
+            if r["moved"] != want:
+                if r["moved"] is not None:
+                    records.update(self._tokenize([i], records))
+                if want is not None:
+                    records[i] = self._move(records[i], *want, records)
+        return records
+
+    def _move(self, r: dict, src: str, k: int, records: dict) -> dict:
+        i = r["index"]
+        dst = "val" if src == "train" else "train"
+        names = shard_names(i)
+        idx = np.fromfile(self.out / names[src][1], dtype=np.int64)
+        tokens = np.fromfile(self.out / names[src][0], dtype=self.dtype)
+        lengths = np.diff(idx)
+        a, b = int(idx[k]), int(idx[k + 1])
+        writer = ShardWriter(self.out, i, self.dtype)
+        try:
+            writer.add(src, np.concatenate([tokens[:a], tokens[b:]]), np.delete(lengths, k))
+            writer.add(dst, tokens[a:b], np.array([b - a], dtype=np.int64))  # dst is empty in every shard
+            files = writer.commit()
+        except NoSpaceError as e:
+            raise self._no_space(e, i, records) from None
+        except BaseException:
+            writer.abort()
+            raise
+        r = dict(r, files=files, moved=[src, k])
+        r["train"] = {"docs": writer.docs["train"], "tokens": writer.tokens["train"]}
+        r["val"] = {"docs": writer.docs["val"], "tokens": writer.tokens["val"]}
+        self._write_record(i, r, records)
+        return r
+
+    # -------------------------------------------------------------------- checks and the manifest
+
+    def _source_counts(self, records: dict) -> list[dict]:
+        out = []
+        for j, src in enumerate(self.sources):
+            docs, skipped = 0, Counter(src.skipped)
+            for r in records.values():
+                s = r["sources"].get(str(j))
+                if s:
+                    docs += s["docs"]
+                    skipped.update(s["skipped"])
+            out.append({**src.describe(), "docs": docs, "skipped": dict(sorted(skipped.items()))})
+        return out
+
+    def _check_documents(self, records: dict) -> None:
+        counts = self._source_counts(records)
+        for src, c in zip(self.sources, counts):
+            if c["docs"] == 0:
+                raise ValueError(
+                    f"source {src.given!r} holds no documents ({_skipped_text(Counter(c['skipped']))}); "
+                    f"expected {VALID_SOURCES}"
+                )
+        total = sum(c["docs"] for c in counts)
+        if self.val_fraction > 0 and total < 2:
+            raise ValueError(
+                f"the sources hold {total} document: a train/validation split needs 2 or more; give more documents "
+                "(a .jsonl with one per line) or --val-fraction 0"
+            )
+
+    def _manifest(self, records: dict) -> dict:
+        shards = [records[i] for i in range(len(self.shards))]
+        files = {name: d for r in shards for name, d in r["files"].items()}
+        counts = {
+            s: {"docs": sum(r[s]["docs"] for r in shards), "tokens": sum(r[s]["tokens"] for r in shards)}
+            for s in SPLITS
+        }
+        return {
+            "kind": KIND,
+            "format": FORMAT,
+            "tokenizer": self.tok.describe(),
+            "separator": self.tok.separator.as_dict(),
+            "vocab_size": self.vocab_size,
+            "dtype": self.dtype.name,
+            "params": self.params,
+            "split": {
+                "by": "content",
+                "hash": "xxh3_64 of the document's UTF-8, seeded by split_seed",
+                "val_if": "hash < val_fraction * 2**64",
+                "moved": next(([r["index"], *r["moved"]] for r in shards if r["moved"]), None),
+            },
+            "sources": self._source_counts(records),
+            "sources_hash": self.sources_hash,
+            "counts": {
+                "docs": counts["train"]["docs"] + counts["val"]["docs"],
+                "text_bytes": sum(r["text_bytes"] for r in shards),
+                **counts,
+            },
+            "shards": [
+                {
+                    "index": r["index"],
+                    "train": r["train"],
+                    "val": r["val"],
+                    "text_bytes": r["text_bytes"],
+                    "moved": r["moved"],
+                }
+                for r in shards
+            ],
+            "files": files,
+        }
+
+
+def _free(path: Path) -> int:
+    import shutil
+
+    return shutil.disk_usage(path).free
+
+
+class _Lock:
+    """One prepare per directory at a time (ranks of a job may all ask for the same cache)."""
+
+    def __init__(self, out: Path):
+        self.path = out / ".lock"
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock
+            return self
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"prepare: waiting for another prepare of {str(self.path.parent)!r}", file=sys.stderr)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)  # releases the lock
+
+
+def _bar(enabled: bool, total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="prepare",
+        disable=not enabled,
+        smoothing=0.1,
+    )
+
+
+def _check_not_bootstrapping() -> None:
+    # a worker re-imports the caller's main script; unguarded, that script would prepare again in
+    # every worker, each waiting forever on the directory's lock, which the caller holds
+    import multiprocessing.process
+
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "prepare() was called while a worker process imported the main script: put the script's code under "
+            "`if __name__ == '__main__':`"
+        )
+
+
+def prepare(
+    sources: Sequence[str | os.PathLike],
+    tokenizer: str | os.PathLike | Tokenizer,
+    out: str | os.PathLike,
+    *,
+    field: str = "text",
+    workers: int | None = None,
+    val_fraction: float = 0.01,
+    split_seed: int = 0,
+    shard_mb: float = SHARD_MB,
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+    progress: bool = True,
+) -> Path:
+    """Tokenize ``sources`` with ``tokenizer`` into ``out`` (see the module docstring); returns
+    ``out``. ``workers``: processes (default: one per available core; 0: this process)."""
+    _check_not_bootstrapping()
+    tok = load_tokenizer(tokenizer)
+    kw = dict(
+        field_name=field,
+        workers=workers,
+        val_fraction=val_fraction,
+        split_seed=split_seed,
+        shard_mb=shard_mb,
+        exclude=exclude,
+        progress=progress,
+    )
+    return _Prepare(sources, tok, Path(out), **kw).run()
+
+
+def default_cache_root() -> Path:
+    # experiments/data.py's cache location
+    return Path(os.environ.get("SWITCHYARD_CACHE") or "~/.cache/switchyard").expanduser()
+
+
+def prepare_cached(
+    sources: Sequence[str | os.PathLike],
+    tokenizer: str | os.PathLike | Tokenizer,
+    cache_root: str | os.PathLike | None = None,
+    *,
+    field: str = "text",
+    workers: int | None = None,
+    val_fraction: float = 0.01,
+    split_seed: int = 0,
+    shard_mb: float = SHARD_MB,
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+    progress: bool = False,
+) -> Path:
+    """``prepare`` into ``<cache_root>/prepared/<key>`` (default root: $SWITCHYARD_CACHE or
+    ~/.cache/switchyard), the key a hash of the sources (every input file's path, size and mtime),
+    the tokenizer's fingerprint and the parameters: a warm cache returns at once, an interrupted
+    one resumes. Returns the directory."""
+    _check_not_bootstrapping()
+    tok = load_tokenizer(tokenizer)
+    root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
+    kw = dict(
+        field_name=field,
+        workers=workers,
+        val_fraction=val_fraction,
+        split_seed=split_seed,
+        shard_mb=shard_mb,
+        exclude=exclude,
+        progress=progress,
+    )
+    job = _Prepare(sources, tok, root, **kw)
+    job.out = root / "prepared" / job.cache_key()[:20]
+    return job.run()
