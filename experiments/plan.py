@@ -112,18 +112,19 @@ def _model_config(cfg):
     return model_config(cfg)
 
 
-def costs_of(cfg) -> zplan.ModelCosts:
+def costs_of(cfg, profile: zplan.Profile | None = None) -> zplan.ModelCosts:
     from moe.costs import model_costs
 
     act = "bf16" if cfg.precision == "bf16" or cfg.parallel.zero_mixed_precision == "bf16" else "fp32"
-    return model_costs(_model_config(cfg), int(cfg.train.seq_len), act_dtype=act)
+    kernel = profile.expert_kernel if profile is not None else "grouped"
+    return model_costs(_model_config(cfg), int(cfg.train.seq_len), act_dtype=act, experts=kernel)
 
 
 def plan_layouts(cfg, world: int, profile: zplan.Profile, fixed: dict | None = None, **kw):
     """``[(LayoutRecord, Prediction), ...]`` fastest first for the composed config ``cfg``."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"plan.world={world!r} is invalid: expected a positive integer (the number of ranks)")
-    costs = costs_of(cfg)
+    costs = costs_of(cfg, profile)
     skew = kw.pop("skew", None)
     recs = zplan.enumerate(
         costs,
@@ -435,6 +436,7 @@ def run_calibrate(argv: list[str]) -> int:
             device=f"{platform.processor() or platform.machine()} CPU, {cores} cores, gloo ranks",
             device_memory_bytes=float(mem),
             memory_shared_by_node=True,
+            expert_kernel="fused",
             node_size=16,
             compute_slots=cores,
         )

@@ -72,9 +72,9 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
             wgrad += c * (qr + qr + H * J)
         mms += [MatMul(k=D, n=kvr + rope), MatMul(k=kvr, n=H * (nope + O)), MatMul(k=H * O, n=D)]
         params += D * (kvr + rope) + kvr + kvr * H * (nope + O) + H * O * D
-        # the latent's norm and kv_b's input; q and k concatenated per head, v, SDPA's output
-        # and logsumexp, the output projection's input
-        saved += _norm_saved(kvr, c) + c * kvr + c * (2 * H * J + H * O) + c * H * O + 4 * H + c * H * O
+        # the latent's norm and kv_b's input; q and k concatenated per head; v, a view of kv_b's
+        # output, keeps all of it alive; SDPA's output and logsumexp; the output projection's input
+        saved += _norm_saved(kvr, c) + c * kvr + c * 2 * H * J + c * H * (nope + O) + c * H * O + 4 * H + c * H * O
         wgrad += c * (D + kvr + H * O) + c * (kvr + rope + H * (nope + O) + D)
         transient = c * (2 * H * J + 2 * H * O)
         return tuple(mms) + scores, params, saved, wgrad, transient, _OPS_MLA
@@ -82,7 +82,9 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
     params = D * (H + 2 * Z) * J + H * J * D
     if cfg.qkv_bias:
         params += (H + 2 * Z) * J
-    saved = c * (H * J + Z * J + Z * O) + c * H * O + 4 * H + c * H * O  # q k v, output, logsumexp, proj input
+    # the rotated q and k; v, a view of the fused projection's output, keeps all of it alive; SDPA's
+    # output and logsumexp; the output projection's input (a contiguous copy of that output)
+    saved = c * (H * J + Z * J) + c * (H + 2 * Z) * J + c * H * O + 4 * H + c * H * O
     if cfg.qk_norm == "head":
         params += 2 * J
         saved += (H + Z) * _norm_saved(J, c)
@@ -95,11 +97,23 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
     return mms, params, saved, wgrad, transient, _OPS_ATTN
 
 
-def model_costs(cfg: TransformerConfig, seq_len: int, act_dtype: str = "fp32", name: str = "") -> ModelCosts:
+EXPERT_KERNELS = ("grouped", "fused")
+
+
+def model_costs(
+    cfg: TransformerConfig, seq_len: int, act_dtype: str = "fp32", name: str = "", experts: str = "grouped"
+) -> ModelCosts:
     """The ``ModelCosts`` of ``cfg`` trained on sequences of ``seq_len`` tokens with activations in
-    ``act_dtype`` (``fp32``, or ``bf16`` under autocast or ZeRO's bf16 compute weights)."""
+    ``act_dtype`` (``fp32``, or ``bf16`` under autocast or ZeRO's bf16 compute weights).
+    ``experts``: what the routed experts save per row, by the kernel that runs them: ``grouped``
+    (GPU: rows permuted into expert order, grouped GEMMs with autograd, the rows combined back: the
+    rows in and out, each hidden projection, the activation and the product), or ``fused`` (the CPU
+    kernel, ``routing_kernels.cpu_experts``: the hidden projections and each row's source and
+    weight)."""
     if act_dtype not in _BYTES:
         raise ValueError(f"act_dtype={act_dtype!r} is invalid: expected one of {tuple(_BYTES)}")
+    if experts not in EXPERT_KERNELS:
+        raise ValueError(f"experts={experts!r} is invalid: expected one of {EXPERT_KERNELS}")
     if not isinstance(seq_len, int) or seq_len < 1 or seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len!r} is invalid: expected an integer in [1, max_seq_len={cfg.max_seq_len}]")
     c = _BYTES[act_dtype]
@@ -139,8 +153,10 @@ def model_costs(cfg: TransformerConfig, seq_len: int, act_dtype: str = "fp32", n
             e_mms, e_params, e_saved, e_wgrad, e_transient = _ffn(D, m.d_ff, m.activation, c, rows=K, expert=True)
             mms += e_mms
             params_expert += E * e_params
-            # per row: the rows in expert order (the experts' input), their output (the combine's)
-            row_saved = c * 2 * D + e_saved / K + 8
+            if experts == "grouped":  # per row: its input and output rows, the FFN's saved hiddens, its slot
+                row_saved = c * 2 * D + e_saved / K + 8
+            else:  # the fused kernel keeps the hidden projections, each row's source (long) and weight
+                row_saved = c * m.d_ff * (2 if m.activation == "swiglu" else 1) + 12
             saved += K * row_saved
             wgrad += e_wgrad
             transient = max(transient, e_transient + 2 * c * D * K)

@@ -105,6 +105,8 @@ class Profile:
     op_overhead_s: float = 0.0  # fixed cost of one operator (launch, dispatch, autograd bookkeeping)
     # the ranks of a node share device_memory_bytes (CPU ranks in one host's memory)
     memory_shared_by_node: bool = False
+    # the routed experts' kernel, which decides what they save per row (moe.costs): grouped (GPU) or fused (CPU)
+    expert_kernel: str = "grouped"
     notes: str = ""
     sources: dict[str, str] = field(default_factory=dict)  # field -> where its value comes from
 
