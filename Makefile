@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: install lint test test-fast train
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q -e ".[dev,hf,cluster,data]"
+	$(PYTHON) -m pip install -q -e ".[dev,hf,cluster,data,plan]"
 
 # the style holds by tool: lint and format are checked before the tests run
 lint:

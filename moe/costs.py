@@ -1,0 +1,229 @@
+"""Each pipeline layer's costs for the planner (``zero.plan``): parameters, the forward's matrix
+products, and bytes per token saved for backward, handed on, and moved by All-to-All, for the
+embedding, every block (MHA/GQA or MLA attention; a dense SwiGLU/GELU FFN or an MoE layer with its
+router, routed and shared experts) and the head, from a ``TransformerConfig``.
+
+    costs = model_costs(cfg, seq_len=4096, act_dtype="bf16")    # a zero.plan.ModelCosts
+    zero.plan.predict(layout, costs, profile)
+
+Parameter counts are exact (the tests hold them to ``Transformer.param_counts``); FLOPs count the
+matrix products (2 per multiply-add; attention's scores and weighted values at half, causal);
+activation bytes follow what autograd saves in ``moe.attention``, ``moe.layer`` and
+``moe.experts`` as written (SDPA's memory-efficient kernels: q, k, v, the output and a logsumexp
+per head, no L x L matrix), an estimate that a test measures against saved-tensor hooks on a
+small model. Shapes follow the legend (docs/design.md): D model dim, H heads, Z key/value heads, J
+query/key head dim, O value head dim, F FFN hidden dim, E experts, K top-k, V vocabulary, L
+sequence length.
+"""
+
+from __future__ import annotations
+
+from zero.plan import BlockCost, MatMul, ModelCosts
+
+from .model import TransformerConfig
+
+_BYTES = {"fp32": 4, "bf16": 2}
+# forward operators per part (counted in moe.attention, moe.layer and moe.experts as written:
+# RMSNorm's casts and reductions, the rotary halves, the router, its statistics and aux losses)
+_OPS_NORM, _OPS_ATTN, _OPS_MLA, _OPS_FFN, _OPS_MOE = 8, 22, 30, 6, 60
+
+
+def _norm_saved(width: int, c: int) -> float:
+    # moe.attention.RMSNorm: its fp32 input (the input itself when fp32, else a copy), the rsqrt,
+    # and the normalised value the gain multiplies
+    return 4 * width + 4 + c * width
+
+
+def _ffn(d: int, f: int, activation: str, c: int, rows: float = 1.0, expert: bool = False):
+    """(matmuls, params, saved bytes, weight-pass bytes, transient bytes) of one SwiGLU/GELU FFN
+    per token; ``rows`` rows per token (top_k for routed experts); the input is not counted (the
+    caller owns it)."""
+    gated = activation == "swiglu"
+    ins = 2 if gated else 1
+    mms = tuple(MatMul(k=d, n=f, rows_per_token=rows, expert=expert) for _ in range(ins)) + (
+        MatMul(k=f, n=d, rows_per_token=rows, expert=expert),
+    )
+    params = (ins + 1) * d * f
+    # swiglu: silu's input, its output and the up projection (the product's inputs), the product (w2's input)
+    saved = rows * c * f * (4 if gated else 2)
+    wgrad = rows * c * (f + (ins + 1) * f + d)  # w2's input; the outputs' gradients
+    transient = rows * c * (ins + 1) * f
+    return mms, params, saved, wgrad, transient
+
+
+def _attention(cfg: TransformerConfig, c: int, L: int):
+    D, H = cfg.d_model, cfg.n_heads
+    J, O = cfg.attn_head_dim, cfg.value_head_dim  # noqa: E741 (O: the legend's value head dim)
+    half = 0.5  # causal: the kernels skip the masked half of the scores
+    scores = (
+        MatMul(k=J, n=L, weight=False, fixed_rows=L, work=half, count=H),
+        MatMul(k=L, n=O, weight=False, fixed_rows=L, work=half, count=H),
+    )
+    if cfg.attention == "mla":
+        qr, kvr, rope, nope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        mms, params, saved, wgrad = [], 0, 0.0, 0.0
+        if qr is None:
+            mms.append(MatMul(k=D, n=H * J))
+            params += D * H * J
+        else:
+            mms += [MatMul(k=D, n=qr), MatMul(k=qr, n=H * J)]
+            params += D * qr + qr + qr * H * J
+            saved += _norm_saved(qr, c) + c * qr
+            wgrad += c * (qr + qr + H * J)
+        mms += [MatMul(k=D, n=kvr + rope), MatMul(k=kvr, n=H * (nope + O)), MatMul(k=H * O, n=D)]
+        params += D * (kvr + rope) + kvr + kvr * H * (nope + O) + H * O * D
+        # the latent's norm and kv_b's input; q and k concatenated per head; v, a view of kv_b's
+        # output, keeps all of it alive; SDPA's output and logsumexp; the output projection's input
+        saved += _norm_saved(kvr, c) + c * kvr + c * 2 * H * J + c * H * (nope + O) + c * H * O + 4 * H + c * H * O
+        wgrad += c * (D + kvr + H * O) + c * (kvr + rope + H * (nope + O) + D)
+        transient = c * (2 * H * J + 2 * H * O)
+        return tuple(mms) + scores, params, saved, wgrad, transient, _OPS_MLA
+    Z = cfg.kv_heads
+    params = D * (H + 2 * Z) * J + H * J * D
+    if cfg.qkv_bias:
+        params += (H + 2 * Z) * J
+    # the rotated q and k; v, a view of the fused projection's output, keeps all of it alive; SDPA's
+    # output and logsumexp; the output projection's input (a contiguous copy of that output)
+    saved = c * (H * J + Z * J) + c * (H + 2 * Z) * J + c * H * O + 4 * H + c * H * O
+    if cfg.qk_norm == "head":
+        params += 2 * J
+        saved += (H + Z) * _norm_saved(J, c)
+    elif cfg.qk_norm == "proj":
+        params += H * J + Z * J
+        saved += _norm_saved(H * J, c) + _norm_saved(Z * J, c)
+    mms = (MatMul(k=D, n=(H + 2 * Z) * J), MatMul(k=H * J, n=D)) + scores
+    wgrad = c * (D + H * O) + c * ((H + 2 * Z) * J + D)
+    transient = c * (H + 2 * Z) * J
+    return mms, params, saved, wgrad, transient, _OPS_ATTN
+
+
+EXPERT_KERNELS = ("grouped", "fused")
+
+
+def model_costs(
+    cfg: TransformerConfig, seq_len: int, act_dtype: str = "fp32", name: str = "", experts: str = "grouped"
+) -> ModelCosts:
+    """The ``ModelCosts`` of ``cfg`` trained on sequences of ``seq_len`` tokens with activations in
+    ``act_dtype`` (``fp32``, or ``bf16`` under autocast or ZeRO's bf16 compute weights).
+    ``experts``: what the routed experts save per row, by the kernel that runs them: ``grouped``
+    (GPU: rows permuted into expert order, grouped GEMMs with autograd, the rows combined back: the
+    rows in and out, each hidden projection, the activation and the product), or ``fused`` (the CPU
+    kernel, ``routing_kernels.cpu_experts``: the hidden projections and each row's source and
+    weight)."""
+    if act_dtype not in _BYTES:
+        raise ValueError(f"act_dtype={act_dtype!r} is invalid: expected one of {tuple(_BYTES)}")
+    if experts not in EXPERT_KERNELS:
+        raise ValueError(f"experts={experts!r} is invalid: expected one of {EXPERT_KERNELS}")
+    if not isinstance(seq_len, int) or seq_len < 1 or seq_len > cfg.max_seq_len:
+        raise ValueError(f"seq_len={seq_len!r} is invalid: expected an integer in [1, max_seq_len={cfg.max_seq_len}]")
+    c = _BYTES[act_dtype]
+    D, V, L = cfg.d_model, cfg.vocab_size, seq_len
+    blocks = [
+        BlockCost(
+            name="embed",
+            params_dense=V * D,
+            elementwise_bytes=2 * c * D,
+            ops=3,
+            act_bytes=8,  # the token ids
+            act_bytes_checkpointed=8,
+            transient_bytes=c * D,
+            boundary_bytes=c * D,
+        )
+    ]
+    attn_mms, attn_params, attn_saved, attn_wgrad, attn_transient, attn_ops = _attention(cfg, c, L)
+    for i in range(cfg.n_layers):
+        # two RMSNorms, each followed by a projection that saves its output
+        norms = 2 * _norm_saved(D, c) + 2 * c * D
+        params_dense = 2 * D + attn_params
+        params_expert = 0
+        mms = list(attn_mms)
+        saved = norms + attn_saved
+        wgrad = attn_wgrad
+        transient = 2 * c * D + attn_transient
+        ops = 2 * _OPS_NORM + attn_ops + 2
+        moe_fields = {}
+        if cfg.is_moe_block(i):
+            m = cfg.moe
+            E, K = m.num_experts, m.top_k
+            mms.append(MatMul(k=D, n=E))  # the router, fp32
+            params_dense += E * D
+            # router: fp32 input (when the model is not), probabilities, logits for the z-loss,
+            # the kept weights; per routed row its indices
+            saved += (4 * D if c != 4 else 0) + 3 * 4 * E + 16 * K
+            e_mms, e_params, e_saved, e_wgrad, e_transient = _ffn(D, m.d_ff, m.activation, c, rows=K, expert=True)
+            mms += e_mms
+            params_expert += E * e_params
+            if experts == "grouped":  # per row: its input and output rows, the FFN's saved hiddens, its slot
+                row_saved = c * 2 * D + e_saved / K + 8
+            else:  # the fused kernel keeps the hidden projections, each row's source (long) and weight
+                row_saved = c * m.d_ff * (2 if m.activation == "swiglu" else 1) + 12
+            saved += K * row_saved
+            wgrad += e_wgrad
+            transient = max(transient, e_transient + 2 * c * D * K)
+            if m.num_shared_experts:
+                s_mms, s_params, s_saved, s_wgrad, s_transient = _ffn(
+                    D, m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c
+                )
+                mms += s_mms
+                params_dense += s_params
+                saved += s_saved + c * D
+                wgrad += s_wgrad
+                transient = max(transient, s_transient)
+            if m.shared_expert_gate:
+                mms.append(MatMul(k=D, n=1))
+                params_dense += D
+                saved += 2 * c
+            ops += _OPS_MOE
+            moe_fields = dict(
+                num_experts=E,
+                top_k=K,
+                capacity_factor=m.capacity_factor,
+                expert_row_bytes=row_saved,
+                row_bytes=c * D,
+                # counts, token count, dropped, probability sums, z-loss and entropy sums (moe.layer)
+                stats_bytes=8 * (2 * E + 4),
+                routing_bytes=K * (8 + 4),  # ids (long) and weights (fp32) of each token's slots
+            )
+        else:
+            f_mms, f_params, f_saved, f_wgrad, f_transient = _ffn(D, cfg.d_ff, "swiglu", c)
+            mms += f_mms
+            params_dense += f_params
+            saved += f_saved
+            wgrad += f_wgrad
+            transient = max(transient, f_transient)
+            ops += _OPS_FFN
+        blocks.append(
+            BlockCost(
+                name=f"block{i}" + (" (moe)" if moe_fields else ""),
+                params_dense=params_dense,
+                params_expert=params_expert,
+                matmuls=tuple(mms),
+                # each saved tensor was written once and is read again in backward
+                elementwise_bytes=2 * saved,
+                ops=ops,
+                act_bytes=saved,
+                act_bytes_checkpointed=c * D,  # the block's input only
+                wgrad_bytes=wgrad,
+                transient_bytes=transient,
+                boundary_bytes=c * D,
+                **moe_fields,
+            )
+        )
+    tied = cfg.tie_embeddings
+    blocks.append(
+        BlockCost(
+            name="head",
+            params_dense=D + (0 if tied else V * D),
+            matmuls=(MatMul(k=D, n=V),),
+            elementwise_bytes=2 * c * D + 3 * 4 * V,
+            ops=_OPS_NORM + 6,
+            # the norm, lm_head's input, the loss's fp32 log-probabilities
+            act_bytes=_norm_saved(D, c) + c * D + 4 * V,
+            act_bytes_checkpointed=_norm_saved(D, c) + c * D + 4 * V,  # blocks only are checkpointed
+            wgrad_bytes=c * D + 4 * V,
+            transient_bytes=4 * V + c * V,  # the logits' gradient, fp32 and in the compute dtype
+            boundary_bytes=0.0,
+            shares_params_with=0 if tied else None,
+        )
+    )
+    return ModelCosts(blocks=tuple(blocks), seq_len=seq_len, act_dtype=act_dtype, name=name)

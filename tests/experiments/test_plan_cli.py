@@ -1,0 +1,116 @@
+"""``python -m experiments.plan``: the ranked table, the JSON and the chart from the trainer's own
+config tree, held layout keys, the errors for bad input, and ``--calibrate``."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+import zero.plan as zplan
+from experiments import plan as cli
+from tests.support.paths import ROOT
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = ["model=tiny", "logger=none", "train.batch_size=6", "train.seq_len=16", "moe.num_experts=4"]
+
+
+def _main(capsys, *argv):
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_writes_a_ranked_table_json_and_chart(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    rc, stdout, _ = _main(capsys, *MODEL, "plan.world=2", "plan.cluster=cpu_2core", f"plan.out={out}", "plan.top=7")
+    assert rc == 0
+    assert "| 1 | " in stdout and "| 7 | " in stdout and "| 8 | " not in stdout
+    assert "picked: " in stdout and "torchrun --nproc_per_node=2 -m experiments.train" in stdout
+    rows = json.loads(out.read_text())
+    assert rows and [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    for r in rows:
+        assert set(r) >= {"overrides", "memory_bytes", "memory_parts", "step_s", "fits"}
+        assert math.isclose(sum(r["memory_parts"].values()), r["memory_bytes"], rel_tol=1e-12)
+        assert all(o.split("=")[0] in zplan.KEYS.values() for o in r["overrides"])
+    assert len({tuple(r["overrides"]) for r in rows}) == len(rows)
+    # every layout of 2 ranks: pp 1 or 2, ep 1 or 2, each ZeRO stage, a pipeline schedule
+    keys = {o for r in rows for o in r["overrides"]}
+    assert {"parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=3", "parallel.zero_offload=true"} <= keys
+    pytest.importorskip("matplotlib")
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_layout_key_given_is_held(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    rc, stdout, _ = _main(
+        capsys,
+        *MODEL,
+        "parallel.pp=2",
+        "train.grad_accum=3",
+        "plan.world=2",
+        "plan.cluster=h100_node",
+        f"plan.out={out}",
+    )
+    assert rc == 0, stdout
+    rows = json.loads(out.read_text())
+    assert rows and all("parallel.pp=2" in r["overrides"] and "train.grad_accum=3" in r["overrides"] for r in rows)
+    assert "held: {'pp': 2, 'grad_accum': 3}" in stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan.world=0", "plan.cluster=cpu_2core"], "plan.world=0 is invalid: expected a positive integer"),
+        (["plan.world=two", "plan.cluster=cpu_2core"], "plan.world='two' is invalid: expected int"),
+        (["plan.cluster=cpu_2core"], "plan.world is required"),
+        (["plan.world=2", "plan.cluster=nope"], "plan.cluster='nope': no profile"),
+        (["plan.world=2", "plan.cluster=cpu_2core", "plan.colour=red"], "'plan.colour=red': expected plan.<key>"),
+        (["plan.world=5", "plan.cluster=cpu_2core"], "no layout of 5 ranks is valid for train.batch_size=6"),
+    ],
+)
+def test_bad_input_gets_a_message_naming_the_value(capsys, args, message):
+    rc, _, err = _main(capsys, *MODEL, *args)
+    assert rc == 1 and message in err, err
+    if "nope" in message:
+        assert "h100_node" in err  # and what would be valid
+
+
+def test_nothing_fits_says_what_the_smallest_layout_needs(capsys, tmp_path):
+    small = zplan.load_profile("cpu_2core").to_dict()
+    small.update(name="tiny_device", device_memory_bytes=1000.0, memory_shared_by_node=False)
+    path = zplan.save_profile(zplan.Profile.from_dict(small), tmp_path / "tiny_device.yaml")
+    rc, stdout, err = _main(capsys, *MODEL, "plan.world=2", f"plan.cluster={path}")
+    assert rc == 2
+    assert "nothing fits: the smallest layout" in err and "tiny_device has 1e-06 GB" in err
+    assert "| NO |" in stdout
+
+
+def test_calibrate_writes_a_profile_that_loads(tmp_path):
+    out = tmp_path / "here.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.plan", "--calibrate", "--quick", "--no-collectives", "--base", "cpu_2core"]
+        + ["--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    p = zplan.load_profile(out)
+    assert p.name == "here" and p.memory_bandwidth > 0 and p.op_overhead_s > 0
+    assert all(rate > 0 for rows in p.matmul_flops.values() for _, rate in rows)
+    assert p.collectives == zplan.load_profile("cpu_2core").collectives  # from --base: not measured here
+
+
+@pytest.mark.distributed
+def test_calibrate_fits_the_collectives_of_two_gloo_ranks(tmp_path):
+    res = cli.measure_collectives("gloo", sizes=[1 << 12, 1 << 20, 1 << 22])
+    for op, ab in res["fitted"].items():
+        assert ab["beta"] > 0 and ab["alpha"] >= 0, op
+        assert [s for s, _ in res["raw"][op]] == [1 << 12, 1 << 20, 1 << 22]

@@ -1,0 +1,170 @@
+"""moe.costs: each pipeline layer's parameters (exact, against the model), FLOPs (against the model's
+own counts) and saved activation bytes (against what autograd saves), for MHA/GQA/MLA attention,
+dense FFNs, MoE layers with shared experts, and tied embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as nnf
+
+import routing_kernels as rk
+from moe import MoEConfig
+from moe.costs import model_costs
+from moe.model import Transformer, TransformerConfig
+from zero.memory import count_params
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, D = 97, 48
+
+
+def _configs():
+    m = MoEConfig(d_model=D, d_ff=40, num_experts=6, top_k=2)
+    shared = MoEConfig(
+        d_model=D,
+        d_ff=24,
+        num_experts=6,
+        top_k=3,
+        num_shared_experts=1,
+        shared_d_ff=24,
+        shared_expert_gate=True,
+        activation="gelu",
+        capacity_factor=1.25,
+    )
+    common = dict(vocab_size=V, d_model=D, d_ff=72, max_seq_len=64)
+    return {
+        "mha, moe every other": TransformerConfig(**common, n_layers=3, n_heads=4, moe=m, moe_every=2),
+        "gqa, bias, head norm, tied": TransformerConfig(
+            **common, n_layers=2, n_heads=6, n_kv_heads=2, moe=m, tie_embeddings=True, qkv_bias=True, qk_norm="head"
+        ),
+        "gqa, head_dim, proj norm": TransformerConfig(
+            **common, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=10, moe=m, qk_norm="proj", dense_layers=[0]
+        ),
+        "mla, shared experts": TransformerConfig(
+            **common,
+            n_layers=3,
+            n_heads=3,
+            moe=shared,
+            attention="mla",
+            q_lora_rank=16,
+            kv_lora_rank=12,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=10,
+            first_k_dense=1,
+        ),
+        "mla without q lora, dense": TransformerConfig(
+            **common,
+            n_layers=2,
+            n_heads=3,
+            moe_every=0,
+            attention="mla",
+            kv_lora_rank=12,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=10,
+        ),
+    }
+
+
+CONFIGS = _configs()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameter_counts_are_the_models_exactly(name):
+    cfg = CONFIGS[name]
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    costs = model_costs(cfg, 32)
+    assert costs.param_counts() == count_params(model)
+    assert len(costs.blocks) == model.num_pipeline_layers
+    # each pipeline layer on its own (what a pipeline rank holds)
+    for i, b in enumerate(costs.blocks):
+        part = model.pipeline_stage(i, i + 1) if not cfg.tie_embeddings else None
+        if part is not None:
+            assert {"dense": b.params_dense, "expert": b.params_expert} == count_params(part), b.name
+    assert costs.tied == ((0, cfg.n_layers + 1) if cfg.tie_embeddings else None)
+    moe_blocks = [b for b in costs.blocks if b.is_moe]
+    assert len(moe_blocks) == len(model.moe_layers())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_flops_are_six_per_active_matmul_weight_plus_the_models_attention(name):
+    cfg = CONFIGS[name]
+    L = 32
+    model = Transformer(cfg)
+    # the weights of matrix products one token passes through: every matrix but the embedding
+    # lookup (the tied head uses it), top_k of E routed experts
+    weights = 0.0
+    for pname, p in model.named_parameters():
+        if p.dim() < 2 or pname == "embed.weight":
+            continue
+        if "experts.w" in pname and "shared" not in pname:
+            layer = cfg.moe
+            weights += p.numel() * layer.top_k / layer.num_experts
+        else:
+            weights += p.numel()
+    if cfg.tie_embeddings:
+        weights += model.embed.weight.numel()
+    want = 6 * weights + model.attention_flops_per_token(L)
+    assert model_costs(cfg, L).model_flops_per_token() == pytest.approx(want, rel=1e-12)
+
+
+class _Saved:
+    """Bytes of distinct storages saved for backward (parameters and buffers left out)."""
+
+    def __init__(self, model):
+        self.skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.seen, self.live = set(), 0
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.skip and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.live += t.untyped_storage().nbytes()
+        return t
+
+
+@pytest.mark.parametrize("kernel,backend", [("fused", "cpu_blocks"), ("grouped", "loop")])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_saved_activations_per_layer_within_ten_percent_of_autograds(name, kernel, backend):
+    # the loop backend saves what the GPU's grouped path saves (permuted rows, autograd per expert)
+    cfg = CONFIGS[name]
+    B, L = 4, 32
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    costs = model_costs(cfg, L, experts=kernel)
+    saved = _Saved(model)
+    marks = []
+    for m in [model.embed, *model.blocks, model.norm]:
+        m.register_forward_hook(lambda mod, args, out: marks.append(saved.live))
+    x = torch.randint(0, V, (B, L))
+    with rk.use_expert_backend(backend), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        logits = model(x)
+        nnf.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+    marks.append(saved.live)
+    per_layer = [marks[0]] + [b - a for a, b in zip(marks, marks[1:])]
+    per_layer = per_layer[:-2] + [per_layer[-2] + per_layer[-1]]  # the head: final norm, lm_head, loss
+    for b, got in zip(costs.blocks, per_layer):
+        assert b.act_bytes * B * L == pytest.approx(got, rel=0.1), b.name
+
+
+def test_checkpointing_saves_the_block_input_and_bf16_halves_it():
+    cfg = CONFIGS["mha, moe every other"]
+    fp32, bf16 = model_costs(cfg, 16), model_costs(cfg, 16, act_dtype="bf16")
+    for a, b in zip(fp32.blocks[1:-1], bf16.blocks[1:-1]):
+        assert a.act_bytes_checkpointed == 4 * D and b.act_bytes_checkpointed == 2 * D
+        assert b.act_bytes < a.act_bytes
+    moe_block = fp32.blocks[2]
+    assert moe_block.is_moe and moe_block.top_k == 2 and moe_block.row_bytes == 4 * D
+
+
+def test_bad_arguments_name_the_value():
+    cfg = CONFIGS["mha, moe every other"]
+    with pytest.raises(ValueError, match=r"act_dtype='fp16' is invalid"):
+        model_costs(cfg, 16, act_dtype="fp16")
+    with pytest.raises(ValueError, match=r"seq_len=65 is invalid.*max_seq_len=64"):
+        model_costs(cfg, 65)
+    with pytest.raises(ValueError, match=r"experts='sparse' is invalid"):
+        model_costs(cfg, 16, experts="sparse")

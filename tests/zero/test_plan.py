@@ -1,0 +1,453 @@
+"""The layout planner (zero.plan): its enumeration against the trainer's own validation (both ways),
+its memory parts against ``predict_memory`` and each other, its schedule simulation against the
+closed forms and the pipeline benchmark's simulation, the live activations of each schedule, the
+profile files, and the α-β fit.
+
+Sizes are odd on purpose (3 blocks: 5 pipeline layers, 6 experts, a batch of 12) so that every
+divisibility rule refuses something.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import math
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import zero.plan as zplan
+from moe.costs import model_costs
+from tests.support.training import cfg_of
+from zero import Layout, predict_memory, validate_layout
+from zero.pipeline import SCHEDULES, plan_pipeline
+from zero.plan.profile import COLLECTIVES, AlphaBeta, Profile
+from zero.plan.schedule import live_activations, rank_orders, simulate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BATCH = 12
+MODEL = [
+    "model=tiny",
+    "logger=none",
+    "model.n_layers=3",
+    "moe.num_experts=6",
+    f"train.batch_size={BATCH}",
+    "train.seq_len=8",
+]
+
+
+def _trainer(name: str):
+    """The trainer's function ``name``, read where it lives: experiments/training/ once the trainer
+    moves there, experiments/train.py until then."""
+    for mod in (
+        "experiments.training.checks",
+        "experiments.training.train",
+        "experiments.training",
+        "experiments.train",
+    ):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        for n in (name, name.lstrip("_")):
+            if hasattr(m, n):
+                return getattr(m, n)
+    raise ImportError(f"no trainer module has {name}")
+
+
+check_train_cfg = _trainer("_check_train_cfg")
+build_plan = _trainer("build_plan")
+build_engine = _trainer("build_engine")
+build_model = _trainer("build_model")
+model_config = _trainer("model_config")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def setting(request):
+    cfg = cfg_of(*MODEL, f"model.tie_embeddings={str(request.param).lower()}")
+    costs = model_costs(model_config(cfg), 8)
+    torch.manual_seed(0)
+    return SimpleNamespace(cfg=cfg, costs=costs, model=build_model(cfg), tied=request.param)
+
+
+def _refused(fn) -> bool:
+    try:
+        fn()
+    except ValueError:
+        return True
+    return False
+
+
+def _key(r: zplan.LayoutRecord) -> tuple:
+    pipe = (r.pp_schedule, r.pp_virtual_stages, r.pp_microbatches) if r.pp > 1 else (None, 1, 1)
+    return (r.pp, r.ep, r.zero_stage, r.zero_offload, *pipe, r.grad_accum, r.checkpoint_activations)
+
+
+def trainer_accepted(s, world: int) -> set[tuple]:
+    """Brute force over a grid wider than any valid value: what the trainer's own checks accept
+    (validate_layout as Layout.build calls it under torchrun, build_plan, _check_train_cfg,
+    build_engine's offload rule, the model's keep_layers for every pipeline rank)."""
+    cfg = s.cfg.copy()
+    L, E = s.costs.num_layers, 6
+    layouts = {(pp, ep) for pp in range(1, world + 2) for ep in range(1, world + 2)}
+    layouts = {(pp, ep) for pp, ep in layouts if not _refused(lambda: validate_layout(world, pp, ep, E))}
+    # (stage, offload) pairs build_engine accepts, on one process (the rule does not depend on the layout)
+    engines = set()
+    for stage, off in itertools.product(range(4), (False, True)):
+        c = cfg.copy()
+        c.parallel.zero_stage, c.parallel.zero_offload = stage, off
+        try:
+            build_engine(c, s.model, Layout.single()).remove_hooks()
+            engines.add((stage, off))
+        except ValueError:
+            pass
+    pipes = {1: [((None, 1, 1), None)]}
+    for pp in {pp for pp, _ in layouts if pp > 1}:
+        pipes[pp] = []
+        for sched, v, m in itertools.product(SCHEDULES, range(1, L + 2), range(1, BATCH + 2)):
+            c = cfg.copy()
+            c.parallel.pp, c.parallel.pp_schedule, c.parallel.pp_virtual_stages = pp, sched, v
+            c.parallel.pp_microbatches = m
+            try:
+                plan = build_plan(c)
+            except ValueError:
+                continue
+            ranges = [[plan.ranges[st] for st in plan.stages_of(r)] for r in range(pp)]
+            if any(_refused(lambda rr=rr: s.model.keep_layers(rr)) for rr in ranges):
+                continue
+            pipes[pp].append(((sched, v, m), plan))
+    train_ok = {}  # _check_train_cfg depends on dp, grad_accum and the micro-batches only
+    out = set()
+    for (pp, ep), ga in itertools.product(layouts, range(1, BATCH + 2)):
+        dp = world // pp
+        c = cfg.copy()
+        c.train.grad_accum = ga
+        for pipe, plan in pipes[pp]:
+            key = (dp, ga, None if plan is None else plan.microbatches)
+            if key not in train_ok:
+                train_ok[key] = not _refused(lambda: check_train_cfg(c, SimpleNamespace(dp=dp), plan))
+            if not train_ok[key]:
+                continue
+            for (stage, off), ckpt in itertools.product(engines, (False, True)):
+                out.add((pp, ep, stage, off, *pipe, ga, ckpt))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_planner_lists_exactly_the_layouts_the_trainer_accepts(setting, world):
+    recs = zplan.enumerate(setting.costs, world=world, batch_size=BATCH)
+    listed = [_key(r) for r in recs]
+    assert len(listed) == len(set(listed)), "a layout is listed twice"
+    accepted = trainer_accepted(setting, world)
+    assert set(listed) == accepted, (
+        f"listed but refused: {sorted(set(listed) - accepted)[:5]}; accepted but not listed: "
+        f"{sorted(accepted - set(listed))[:5]}"
+    )
+    assert recs, "no layout at all"
+    if setting.tied and world > 1:  # only the V-shaped schedules keep the embedding and the head together
+        assert {r.pp_schedule for r in recs if r.pp > 1} <= {"zbv", "dualpipev"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_listed_layout_passes_the_trainer_through_its_own_overrides(setting, world):
+    recs = zplan.enumerate(setting.costs, world=world, batch_size=BATCH)
+    # one layout per pipeline and batch split (ZeRO, offload and checkpointing change no check but
+    # build_engine's offload rule, asserted for every layout below)
+    firsts = {}
+    for r in recs:
+        firsts.setdefault((r.pp, r.ep, r.pp_schedule, r.pp_virtual_stages, r.pp_microbatches, r.grad_accum), r)
+        assert not (r.zero_offload and r.zero_stage == 0)
+    for r in firsts.values():
+        cfg = OmegaConf.merge(setting.cfg, OmegaConf.from_dotlist(r.overrides()))
+        plan = build_plan(cfg)
+        assert (plan is None) == (r.pp == 1)
+        assert validate_layout(world, int(cfg.parallel.pp), int(cfg.parallel.ep), 6) == r.dp
+        check_train_cfg(cfg, SimpleNamespace(dp=r.dp), plan)
+        if plan is not None:
+            assert plan.microbatches == r.pp_microbatches and plan.virtual == r.pp_virtual_stages
+            for rank in range(r.pp):
+                setting.model.keep_layers([plan.ranges[st] for st in plan.stages_of(rank)])
+        assert not (cfg.parallel.zero_offload and cfg.parallel.zero_stage == 0)
+    # Hydra itself takes the overrides (a sample: composing is slow)
+    for r in random.Random(0).sample(recs, 4):
+        cfg = cfg_of(*MODEL, f"model.tie_embeddings={str(setting.tied).lower()}", *r.overrides())
+        assert cfg.parallel.pp == r.pp and cfg.train.grad_accum == r.grad_accum
+
+
+def _profile(**kw) -> Profile:
+    ab = {op: AlphaBeta(2e-5, 1e9) for op in COLLECTIVES}
+    base = dict(
+        name="test",
+        device="a test device",
+        device_memory_bytes=1e9,
+        node_size=2,
+        matmul_flops={"fp32": [[64, 1e10], [512, 5e10]]},
+        memory_bandwidth=1e10,
+        collectives={"intra": ab, "inter": {op: AlphaBeta(1e-4, 1e8) for op in COLLECTIVES}},
+        host_link_bandwidth=5e9,
+        host_adam_params_per_s=1e8,
+        op_overhead_s=1e-5,
+    )
+    base.update(kw)
+    return Profile(**base)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_memory_parts_add_up_and_model_states_are_predict_memory(setting, world):
+    costs = setting.costs
+    profile = _profile()
+    for r in zplan.enumerate(costs, world=world, batch_size=BATCH):
+        p = zplan.predict(r, costs, profile)
+        assert set(p.memory_parts) == set(zplan.PARTS)
+        assert math.isclose(sum(p.memory_parts.values()), p.memory_bytes, rel_tol=1e-12), r.label()
+        assert all(v >= 0 for v in p.memory_parts.values()), (r.label(), p.memory_parts)
+        assert p.step_s > 0 and math.isfinite(p.step_s)
+        # the busiest rank's model states, by predict_memory over the layers it holds, exactly
+        plan = r.plan(costs.num_layers)
+        ranks = (
+            [[(0, costs.num_layers)]]
+            if plan is None
+            else [[plan.ranges[s] for s in plan.stages_of(q)] for q in range(r.pp)]
+        )
+        options = []
+        for rr in ranks:
+            held = [costs.blocks[j] for lo, hi in rr for j in range(lo, hi)]
+            counts = {"dense": sum(b.params_dense for b in held), "expert": sum(b.params_expert for b in held)}
+            options.append(
+                predict_memory(
+                    counts, dp=r.dp, ep=r.ep, stage=r.zero_stage, mixed_precision="fp32", offload=r.zero_offload
+                )["device_total"]
+            )
+        assert p.memory_parts["model_states"] in options, (r.label(), p.memory_parts["model_states"], options)
+        if r.pp == 1:
+            assert (
+                p.memory_parts["model_states"]
+                == predict_memory(
+                    costs.param_counts(),
+                    dp=r.dp,
+                    ep=r.ep,
+                    stage=r.zero_stage,
+                    mixed_precision="fp32",
+                    offload=r.zero_offload,
+                )["device_total"]
+            )
+
+
+def _unit(pp: int, v: int = 1) -> dict:
+    n = pp * v
+    return {"F": [1.0] * n, "I": [1.0] * n, "W": [1.0] * n, "B": [2.0] * n}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (3, 5), (4, 7), (5, 5), (3, 9)])
+def test_the_bubble_of_gpipe_and_1f1b_is_the_closed_form(schedule, p, m):
+    plan = plan_pipeline(p + 2, pp=p, pp_schedule=schedule, pp_microbatches=m)
+    sim = simulate(rank_orders(plan), [plan.rank_of(s) for s in range(p)], _unit(p))
+    assert sim.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert sim.makespan == pytest.approx(3 * (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8)])
+def test_the_bubble_of_interleaved_1f1b_is_the_closed_form(p, m):
+    v = 2
+    plan = plan_pipeline(p * v, pp=p, pp_schedule="interleaved_1f1b", pp_microbatches=m, pp_virtual_stages=v)
+    sim = simulate(rank_orders(plan), [plan.rank_of(s) for s in range(p * v)], _unit(p, v))
+    assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+def _bench_simulate():
+    for mod in ("experiments.bench.pipeline", "experiments.bench_pipeline"):
+        try:
+            return importlib.import_module(mod).simulate
+        except ImportError:
+            continue
+    pytest.skip("the pipeline benchmark's simulate is not importable")
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8)])
+def test_the_simulation_is_the_pipeline_benchmarks_on_torchs_own_plan(schedule, p, m):
+    # the benchmark simulates torch's schedule objects of real stages; here the same plan is built
+    # over stand-in stages and its actions handed to the benchmark's simulate as torch's _Action
+    from torch.distributed.pipelining import schedules as ts
+
+    from zero.plan.schedule import _StandInStage
+
+    bench = _bench_simulate()
+    plan = plan_pipeline(2 * p, pp=p, pp_schedule=schedule, pp_microbatches=m, pp_virtual_stages=2)
+    cls = getattr(ts, SCHEDULES[schedule][0])
+    sched = cls([_StandInStage(s, 2 * p, p, 0) for s in plan.stages_of(0)], n_microbatches=m, loss_fn=lambda o, t: o)
+    theirs = {}
+    for r, acts in sched.pipeline_order.items():
+        groups = []
+        for a in acts:
+            if a is None:
+                continue
+            g = [x for x in (a.sub_actions or [a]) if x.computation_type.value in "FIWB"]
+            if g:
+                groups.append(g)
+        theirs[r] = groups
+    ours = simulate(rank_orders(plan), [plan.rank_of(s) for s in range(2 * p)], _unit(p, 2))
+    assert ours.bubble == pytest.approx(bench(theirs, 2 * p), abs=1e-12)
+
+
+def test_the_gpipe_order_is_torchs_own():
+    from torch.distributed.pipelining import schedules as ts
+
+    from zero.plan.schedule import _single_stage
+
+    p, m = 3, 5
+    order = ts.ScheduleGPipe(_StandIn(0, p), n_microbatches=m)._get_pipeline_order()
+    for r in range(p):
+        theirs = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in order[r] if a is not None]
+        theirs = [a for a in theirs if a[0] in "FB"]
+        assert theirs == [g[0] for g in _single_stage("gpipe", p, m)[r]]
+
+
+def _StandIn(rank, p):
+    from zero.plan.schedule import _StandInStage
+
+    return _StandInStage(rank, p, p, rank)
+
+
+@pytest.mark.parametrize(("p", "m"), [(3, 5), (4, 4), (2, 7)])
+def test_live_microbatches_gpipe_keeps_all_1f1b_keeps_p_minus_rank(p, m):
+    act, keep = [1.0] * p, [0.0] * p
+    g = live_activations(rank_orders(plan_pipeline(p, pp=p, pp_schedule="gpipe", pp_microbatches=m)), act, keep)
+    assert g.peak_count == (m,) * p and g.peak_bytes == (float(m),) * p
+    f = live_activations(rank_orders(plan_pipeline(p, pp=p, pp_schedule="1f1b", pp_microbatches=m)), act, keep)
+    assert f.peak_count == tuple(min(m, p - r) for r in range(p))
+
+
+def test_the_activation_part_counts_every_live_microbatch(setting):
+    # gpipe with m micro-batches keeps all m alive on every stage; 1f1b keeps pp on the first
+    costs = setting.costs
+    if setting.tied:
+        pytest.skip("tied embeddings split over two ranks: no gpipe layout")
+    profile = _profile()
+    base = zplan.LayoutRecord(world=2, batch_size=BATCH, pp=2, pp_schedule="gpipe", pp_microbatches=6)
+    g = zplan.predict(base, costs, profile)
+    one = dataclasses.replace(base, pp_microbatches=1)
+    plan = base.plan(costs.num_layers)
+    rows = BATCH // 6
+    per_mb = [sum(costs.blocks[j].act_bytes * rows * costs.seq_len for j in range(lo, hi)) for lo, hi in plan.ranges]
+    assert g.live_microbatches == 6
+    assert g.memory_parts["activations"] == pytest.approx(6 * max(per_mb))
+    f = zplan.predict(dataclasses.replace(base, pp_schedule="1f1b"), costs, profile)
+    assert f.live_microbatches == 2
+    assert f.memory_parts["activations"] == pytest.approx(max(2 * per_mb[0], per_mb[1]))
+    assert zplan.predict(one, costs, profile).live_microbatches == 1
+
+
+def test_zero3_gathers_two_blocks_and_a_pipeline_keeps_them_all(setting):
+    costs = setting.costs
+    profile = _profile()
+    r = zplan.LayoutRecord(world=2, batch_size=BATCH, zero_stage=3)
+    full = [b.params_dense * 4 for b in costs.blocks]  # dp=2 shards every dense weight; ep=1, edp=2: experts too
+    full = [f + b.params_expert * 4 for f, b in zip(full, costs.blocks)]
+    p = zplan.predict(r, costs, profile)
+    if setting.tied:
+        own = [0.0] + full[1:]
+        want = max(a + b for a, b in zip(own, own[1:])) + full[0]
+    else:
+        want = max(a + b for a, b in zip(full, full[1:]))
+    assert p.memory_parts["gathered_params"] == pytest.approx(want)
+    if not setting.tied:
+        q = zplan.predict(dataclasses.replace(r, world=4, pp=2, pp_schedule="1f1b", pp_microbatches=2), costs, profile)
+        plan = plan_pipeline(costs.num_layers, pp=2, pp_schedule="1f1b", pp_microbatches=2)
+        assert q.memory_parts["gathered_params"] == pytest.approx(max(sum(full[lo:hi]) for lo, hi in plan.ranges))
+
+
+def test_capacity_bounds_the_expert_rows_exactly():
+    from moe import MoEConfig
+    from moe.model import TransformerConfig
+    from zero.plan.cost import _Costing
+
+    moe_cfg = MoEConfig(d_model=16, d_ff=16, num_experts=6, top_k=2, capacity_factor=1.25)
+    cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16, moe=moe_cfg)
+    costs = model_costs(cfg, 16)
+    b = costs.blocks[1]
+    r = zplan.LayoutRecord(world=6, batch_size=12, ep=3)
+    c = _Costing(r, costs, _profile(node_size=8), skew=None)
+    T = 2 * 16  # 12 rows over dp=6: 2 sequences of 16
+    cap = math.ceil(1.25 * 2 * T * 6 / 6)
+    assert c.rows(b) == (T * 2, min(2 * cap, 3 * T * 2))
+    # dropless: the stated skew, or the worst case (all of the ep group's tokens here)
+    dropless = model_costs(
+        TransformerConfig(**{**cfg.__dict__, "moe": MoEConfig(d_model=16, d_ff=16, num_experts=6)}), 16
+    )
+    assert _Costing(r, dropless, _profile(), skew=1.5).rows(dropless.blocks[1]) == (T * 2, 1.5 * T * 2)
+    assert _Costing(r, dropless, _profile(), skew=None).rows(dropless.blocks[1]) == (T * 2, 3 * T * 2)
+
+
+def test_predictions_move_the_right_way(setting):
+    costs, profile = setting.costs, _profile()
+    r = zplan.LayoutRecord(world=2, batch_size=BATCH)
+    p0 = zplan.predict(r, costs, profile)
+    p3 = zplan.predict(dataclasses.replace(r, zero_stage=3), costs, profile)
+    assert p3.memory_parts["model_states"] < p0.memory_parts["model_states"]
+    off = zplan.predict(dataclasses.replace(r, zero_stage=1, zero_offload=True), costs, profile)
+    assert off.host_bytes > 0 and p0.host_bytes == 0
+    ck = zplan.predict(dataclasses.replace(r, checkpoint_activations=True), costs, profile)
+    assert ck.memory_parts["activations"] < p0.memory_parts["activations"] and ck.step_s > p0.step_s
+    ga = zplan.predict(dataclasses.replace(r, grad_accum=3), costs, profile)
+    assert ga.memory_parts["activations"] < p0.memory_parts["activations"]
+    assert p0.tokens_per_s == pytest.approx(BATCH * costs.seq_len / p0.step_s)
+
+
+def test_shipped_profiles_round_trip(tmp_path):
+    names = zplan.available_profiles()
+    assert {"h100_node", "h200_node", "h800_node", "cpu_2core"} <= set(names)
+    for name in names:
+        p = zplan.load_profile(name)
+        back = zplan.load_profile(zplan.save_profile(p, tmp_path / f"{name}.yaml", header="a header\nof two lines"))
+        assert back == p, name
+    p = _profile(host_memory_bytes=math.inf, compute_slots=3, sources={"x": "y"})
+    assert zplan.load_profile(zplan.save_profile(p, tmp_path / "t.yaml")) == p
+    h800, h100 = zplan.load_profile("h800_node"), zplan.load_profile("h100_node")
+    assert h800.link("intra", "all_reduce").beta < h100.link("intra", "all_reduce").beta  # 400 vs 900 GB/s NVLink
+
+
+def test_bad_profiles_and_inputs_name_the_value(tmp_path):
+    with pytest.raises(ValueError, match=r"plan.cluster='nope'.*h100_node"):
+        zplan.load_profile("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nnode_size: 8\nwhatever: 1\n")
+    with pytest.raises(ValueError, match="unknown profile keys"):
+        zplan.load_profile(bad)
+    with pytest.raises(ValueError, match="collectives.intra lacks"):
+        _profile(collectives={"intra": {}, "inter": {}})
+    with pytest.raises(ValueError, match=r"world=0 is invalid"):
+        zplan.enumerate_layouts(5, world=0, batch_size=4)
+    with pytest.raises(ValueError, match=r"fixed keys \['pipeline'\]"):
+        zplan.enumerate_layouts(5, world=2, batch_size=4, fixed={"pipeline": 2})
+
+
+@pytest.mark.parametrize("op", COLLECTIVES)
+@pytest.mark.parametrize("n", [2, 5])
+def test_the_alpha_beta_fit_recovers_planted_values(op, n):
+    alpha, beta = 7.3e-6, 37e9
+    sizes = np.array([3e3, 5.1e4, 7.7e5, 2.9e6, 1.3e7, 6.1e7])
+    truth = AlphaBeta(alpha, beta)
+    exact = [truth.time(op, s, n) for s in sizes]
+    got = zplan.fit_alpha_beta(op, n, sizes, exact)
+    assert got.alpha == pytest.approx(alpha, rel=1e-9) and got.beta == pytest.approx(beta, rel=1e-9)
+    noisy = np.array(exact) * (1 + 0.02 * np.random.default_rng(n).standard_normal(len(sizes)))
+    got = zplan.fit_alpha_beta(op, n, sizes, noisy)
+    assert got.alpha == pytest.approx(alpha, rel=0.15) and got.beta == pytest.approx(beta, rel=0.05)
+    with pytest.raises(ValueError, match="do not grow"):
+        zplan.fit_alpha_beta(op, n, sizes, exact[::-1])
+
+
+def test_alpha_beta_time_is_hockneys_ring_model():
+    ab = AlphaBeta(1e-5, 1e9)
+    assert ab.time("all_reduce", 1e9, 4) == pytest.approx(6e-5 + 1.5)
+    assert ab.time("all_gather", 1e9, 4) == pytest.approx(3e-5 + 0.75)
+    assert ab.time("p2p", 1e9, 2) == pytest.approx(1e-5 + 1.0)
+    assert ab.time("all_to_all", 1e9, 1) == 0.0

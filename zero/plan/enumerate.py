@@ -1,0 +1,215 @@
+"""Every layout of a model on a world size and a global batch that the trainer would accept.
+
+The rules are the trainer's own, by the same functions: ``zero.layout.validate_layout`` (world =
+pp x dp, ep dividing dp and the number of experts), ``zero.pipeline.plan_pipeline`` (schedules,
+virtual stages, micro-batches, layers per stage), the batch divisibility of
+``experiments.train._check_train_cfg`` (the global batch splits evenly over dp x grad_accum x
+micro-batches), offload only with ZeRO >= 1 (``experiments.train.build_engine``) and tied
+embeddings only where the embedding and the head land on one pipeline rank
+(``moe.model.Transformer.keep_layers``). The tests check the two agree, both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from ..layout import validate_layout
+from ..pipeline import SCHEDULES, PipelinePlan, plan_pipeline
+
+# the keys a layout sets, as the trainer's config names them
+KEYS = {
+    "pp": "parallel.pp",
+    "ep": "parallel.ep",
+    "zero_stage": "parallel.zero_stage",
+    "zero_offload": "parallel.zero_offload",
+    "pp_schedule": "parallel.pp_schedule",
+    "pp_virtual_stages": "parallel.pp_virtual_stages",
+    "pp_microbatches": "parallel.pp_microbatches",
+    "checkpoint_activations": "model.checkpoint_activations",
+    "grad_accum": "train.grad_accum",
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+@dataclass(frozen=True)
+class LayoutRecord:
+    """One way to run a training step: the parallel sizes and the trainer's keys that set them.
+    ``world`` and ``batch_size`` (global sequences per step) are the workload's, the rest the
+    layout's; ``mixed_precision`` is ``parallel.zero_mixed_precision``, taken from the config."""
+
+    world: int
+    batch_size: int
+    pp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    zero_offload: bool = False
+    pp_schedule: str | None = None  # None for pp=1 (no pipeline)
+    pp_virtual_stages: int = 1
+    pp_microbatches: int = 1
+    checkpoint_activations: bool = False
+    grad_accum: int = 1
+    mixed_precision: str = "fp32"
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.pp
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches through the pipeline per accumulation round (1 without a pipeline)."""
+        return self.pp_microbatches if self.pp > 1 else 1
+
+    @property
+    def micro_rows(self) -> int:
+        """Sequences of one micro-batch on one rank."""
+        return self.batch_size // (self.dp * self.grad_accum * self.microbatches)
+
+    def plan(self, num_layers: int) -> PipelinePlan | None:
+        if self.pp == 1:
+            return None
+        return plan_pipeline(
+            num_layers,
+            pp=self.pp,
+            pp_schedule=self.pp_schedule,
+            pp_microbatches=self.pp_microbatches,
+            pp_virtual_stages=self.pp_virtual_stages,
+        )
+
+    def overrides(self) -> list[str]:
+        """The trainer's Hydra overrides that run this layout (with ``torchrun --nproc_per_node``
+        = ``world`` on one node, or its multi-node equivalent)."""
+        names = ["pp", "ep", "zero_stage", "zero_offload"]
+        if self.pp > 1:
+            names += ["pp_schedule", "pp_virtual_stages", "pp_microbatches"]
+        names += ["checkpoint_activations", "grad_accum"]
+        return [f"{KEYS[k]}={_fmt(getattr(self, k))}" for k in names]
+
+    def label(self) -> str:
+        parts = [f"pp{self.pp}"]
+        if self.pp > 1:
+            v = f"x{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
+            parts.append(f"{self.pp_schedule}{v} m{self.pp_microbatches}")
+        parts.append(f"dp{self.dp} ep{self.ep}")
+        parts.append(f"z{self.zero_stage}{'+off' if self.zero_offload else ''}")
+        if self.grad_accum > 1:
+            parts.append(f"ga{self.grad_accum}")
+        if self.checkpoint_activations:
+            parts.append("ckpt")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def layout_problem(
+    rec: LayoutRecord, num_layers: int, num_experts: int | None = None, tied: tuple[int, int] | None = None
+) -> str | None:
+    """Why the trainer would refuse ``rec`` (its own message), or None when it accepts it."""
+    try:
+        validate_layout(rec.world, rec.pp, rec.ep, num_experts)
+    except ValueError as e:
+        return str(e)
+    if rec.zero_stage not in (0, 1, 2, 3):
+        return f"parallel.zero_stage={rec.zero_stage!r} is invalid: expected 0, 1, 2 or 3"
+    if rec.zero_offload and rec.zero_stage == 0:
+        return "parallel.zero_offload=true needs parallel.zero_stage >= 1"
+    if rec.grad_accum < 1 or rec.batch_size % (rec.dp * rec.grad_accum):
+        return f"train.batch_size={rec.batch_size} must be divisible by dp={rec.dp} x train.grad_accum={rec.grad_accum}"
+    try:
+        plan = rec.plan(num_layers)
+    except ValueError as e:
+        return f"parallel.{e}"
+    if plan is None:
+        return None
+    if rec.batch_size % (rec.dp * rec.grad_accum * plan.microbatches):
+        return (
+            f"train.batch_size={rec.batch_size} must be divisible by dp={rec.dp} x train.grad_accum={rec.grad_accum} "
+            f"x parallel.pp_microbatches={plan.microbatches}"
+        )
+    if tied is not None:
+        a, b = (next(s for s, (lo, hi) in enumerate(plan.ranges) if lo <= i < hi) for i in tied)
+        if plan.rank_of(a) != plan.rank_of(b):
+            return (
+                f"tied weights of layers {tied[0]} and {tied[1]} land on pipeline ranks {plan.rank_of(a)} and "
+                f"{plan.rank_of(b)}: untie them (model.tie_embeddings=false) or use a V-shaped schedule"
+            )
+    return None
+
+
+def enumerate_layouts(
+    num_layers: int,
+    *,
+    world: int,
+    batch_size: int,
+    num_experts: int | None = None,
+    tied: tuple[int, int] | None = None,
+    mixed_precision: str = "fp32",
+    fixed: dict | None = None,
+    max_virtual: int | None = None,
+) -> list[LayoutRecord]:
+    """Every layout the trainer accepts for ``num_layers`` pipeline layers (the embedding, the
+    blocks, the head), ``world`` ranks and ``batch_size`` global sequences, in a fixed order.
+    ``num_experts``: the routed experts of the MoE layers (None: a dense model, ep=1); ``tied``:
+    the two layers that share weights (tied embeddings); ``fixed``: keys (``LayoutRecord`` field
+    names) held at one value, e.g. ``{"pp": 16, "ep": 64}``; ``max_virtual``: the most virtual
+    stages per rank tried for the interleaved schedules (default: as many as the layers allow)."""
+    for name, v in (("world", world), ("batch_size", batch_size), ("num_layers", num_layers)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} is invalid: expected a positive integer")
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(KEYS))
+    if unknown:
+        raise ValueError(f"fixed keys {unknown} are not layout keys; valid: {sorted(KEYS)}")
+
+    def allowed(key, values):
+        return [v for v in values if key not in fixed or fixed[key] == v]
+
+    out = []
+    for pp in allowed("pp", _divisors(world)):
+        dp = world // pp
+        eps = [e for e in _divisors(dp) if num_experts is not None and num_experts % e == 0] or [1]
+        pipelines: list[tuple] = [(None, 1, 1)]
+        if pp > 1:
+            pipelines = []
+            for schedule in allowed("pp_schedule", list(SCHEDULES)):
+                style = SCHEDULES[schedule][1]
+                vs = {"single": [1], "v": [2]}.get(style) or list(range(2, num_layers // pp + 1))
+                if style == "loop" and max_virtual is not None:
+                    vs = [v for v in vs if v <= max_virtual]
+                for v in allowed("pp_virtual_stages", vs):
+                    for m in allowed("pp_microbatches", _divisors(batch_size // dp) if batch_size % dp == 0 else []):
+                        pipelines.append((schedule, v, m))
+        for ep in allowed("ep", eps):
+            for schedule, v, m in pipelines:
+                for ga in allowed("grad_accum", _divisors(batch_size)):
+                    base = LayoutRecord(
+                        world=world,
+                        batch_size=batch_size,
+                        pp=pp,
+                        ep=ep,
+                        pp_schedule=schedule,
+                        pp_virtual_stages=v,
+                        pp_microbatches=m,
+                        grad_accum=ga,
+                        mixed_precision=mixed_precision,
+                    )
+                    if layout_problem(base, num_layers, num_experts, tied) is not None:
+                        continue
+                    for stage in allowed("zero_stage", [0, 1, 2, 3]):
+                        for off in allowed("zero_offload", [False, True] if stage else [False]):
+                            for ckpt in allowed("checkpoint_activations", [False, True]):
+                                out.append(
+                                    replace(base, zero_stage=stage, zero_offload=off, checkpoint_activations=ckpt)
+                                )
+    return out

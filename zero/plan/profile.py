@@ -1,0 +1,222 @@
+"""Machine profiles: what one device computes and moves per second, read from and written to yaml.
+
+A profile (``conf/cluster/<name>.yaml``) holds per device: its memory, matmul FLOP/s by size and
+dtype, memory bandwidth, the host link and host optimizer rate (ZeRO-Offload), and for each link
+tier (``intra``: inside a node of ``node_size`` devices, ``inter``: across nodes) an α-β cost of
+each collective. Time of a collective over n ranks moving S bytes (Hockney's model with the ring
+algorithms' step counts, Thakur, Rabenseifner & Gropp 2005):
+
+    all_reduce      2(n-1) α + 2(n-1)/n · S / β        S: the tensor
+    reduce_scatter   (n-1) α +  (n-1)/n · S / β        S: the full (unscattered) tensor
+    all_gather       (n-1) α +  (n-1)/n · S / β        S: the full (gathered) tensor
+    all_to_all       (n-1) α +  (n-1)/n · S / β        S: what one rank sends, its own share included
+    p2p                   α +           S / β
+
+so β is the "bus bandwidth" nccl-tests reports and comparable between collectives, and α the
+latency of one step. ``fit_alpha_beta`` recovers both from timings by least squares.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
+TIERS = ("intra", "inter")
+DTYPES = ("fp32", "bf16")
+
+# where `load_profile("h100_node")` looks: the repository's conf/cluster (zero/plan -> zero -> repo)
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "conf" / "cluster"
+
+
+def steps(op: str, n: int) -> int:
+    """Latency steps of a ring collective over n ranks."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    return 1 if op == "p2p" else n - 1
+
+
+def bus_factor(op: str, n: int) -> float:
+    """Bytes over the slowest link per byte of S (see the module docstring)."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    return 1.0 if op == "p2p" else (n - 1) / n
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    alpha: float  # seconds per step
+    beta: float  # bytes per second
+
+    def time(self, op: str, nbytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        return steps(op, n) * self.alpha + bus_factor(op, n) * nbytes / self.beta
+
+
+def fit_alpha_beta(op: str, n: int, sizes, times) -> AlphaBeta:
+    """α and β of ``op`` over ``n`` ranks from timings ``times[i]`` of messages of ``sizes[i]``
+    bytes: least squares, in relative error, of t = steps·α + bus_factor·S/β (a line in S). Raises if the timings give a
+    non-positive bandwidth (they do not grow with the size: too few or too noisy)."""
+    sizes, times = np.asarray(sizes, dtype=np.float64), np.asarray(times, dtype=np.float64)
+    if sizes.shape != times.shape or sizes.size < 2 or len(set(sizes.tolist())) < 2:
+        raise ValueError(f"fit_alpha_beta needs at least two distinct sizes with one time each, got {sizes.size}")
+    x = bus_factor(op, n) * sizes
+    A = np.stack([np.full_like(x, steps(op, n)), x], axis=1)
+    # relative residuals: the sizes span orders of magnitude, and plain least squares would fit the
+    # largest messages only, leaving α to their noise
+    w = 1.0 / np.maximum(times, 1e-12)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A * w[:, None], times * w, rcond=None)
+    if not inv_beta > 0:
+        raise ValueError(
+            f"{op} over {n} ranks: the timings {times.tolist()} do not grow with the sizes {sizes.tolist()}, "
+            f"so no bandwidth can be fitted; time larger messages or more repeats"
+        )
+    # a negative intercept is noise around a latency too small to resolve at these sizes
+    return AlphaBeta(alpha=max(float(alpha), 0.0), beta=float(1.0 / inv_beta))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One device's rates and its links; every field is per device (see the module docstring)."""
+
+    name: str
+    device: str  # what it is, in words
+    device_memory_bytes: float
+    node_size: int  # devices per node: a group inside one node uses the intra tier
+    # matmul FLOP/s of an n x n x n product, by dtype: [[n, flop_s], ...] ascending in n
+    matmul_flops: dict[str, list[list[float]]]
+    memory_bandwidth: float  # bytes/s of a large device copy (read + write counted)
+    collectives: dict[str, dict[str, AlphaBeta]]  # tier -> op -> α, β
+    host_memory_bytes: float = math.inf  # per node, for ZeRO-Offload's optimizer state
+    host_link_bandwidth: float = math.inf  # bytes/s device <-> host, one direction
+    host_adam_params_per_s: float = math.inf  # the offloaded optimizer's step rate on the host
+    # devices of a node that compute at the same time (a CPU's cores: more ranks than cores share them)
+    compute_slots: int | None = None
+    op_overhead_s: float = 0.0  # fixed cost of one operator (launch, dispatch, autograd bookkeeping)
+    # the ranks of a node share device_memory_bytes (CPU ranks in one host's memory)
+    memory_shared_by_node: bool = False
+    # the routed experts' kernel, which decides what they save per row (moe.costs): grouped (GPU) or fused (CPU)
+    expert_kernel: str = "grouped"
+    notes: str = ""
+    sources: dict[str, str] = field(default_factory=dict)  # field -> where its value comes from
+
+    def __post_init__(self):
+        if not isinstance(self.node_size, int) or self.node_size < 1:
+            raise ValueError(f"profile {self.name}: node_size={self.node_size!r} must be a positive integer")
+        for tier in TIERS:
+            missing = [op for op in COLLECTIVES if op not in self.collectives.get(tier, {})]
+            if missing:
+                raise ValueError(f"profile {self.name}: collectives.{tier} lacks {missing} (needs {list(COLLECTIVES)})")
+        if not self.matmul_flops or any(not rows for rows in self.matmul_flops.values()):
+            raise ValueError(f"profile {self.name}: matmul_flops needs [[n, flop_s], ...] for at least one dtype")
+        # the log-log table matmul_rate interpolates in, once (the profile is frozen)
+        tables = {}
+        for dtype, rows in self.matmul_flops.items():
+            rows = sorted(rows)
+            if any(r[0] <= 0 or r[1] <= 0 for r in rows):
+                raise ValueError(f"profile {self.name}: matmul_flops.{dtype}={rows} needs positive sizes and rates")
+            tables[dtype] = ([math.log(r[0]) for r in rows], [math.log(r[1]) for r in rows])
+        object.__setattr__(self, "_tables", tables)
+
+    def matmul_rate(self, dtype: str, m: float, k: float, n: float) -> float:
+        """FLOP/s of an [m, k] @ [k, n] product: the square product of the same work
+        ((m k n)^(1/3) per side), interpolated in log size between the measured ones and held
+        at the ends. A dtype the profile lacks takes the nearest one it has (fp32 for bf16 on a
+        profile measured in fp32 only)."""
+        xs, ys = self._log_table(dtype)
+        x = math.log(max(float(m) * k * n, 1.0)) / 3
+        if x <= xs[0]:
+            return math.exp(ys[0])
+        if x >= xs[-1]:
+            return math.exp(ys[-1])
+        i = bisect.bisect_right(xs, x)
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return math.exp(ys[i - 1] + t * (ys[i] - ys[i - 1]))
+
+    def _log_table(self, dtype: str) -> tuple[list[float], list[float]]:
+        return self._tables.get(dtype) or next(iter(self._tables.values()))
+
+    def link(self, tier: str, op: str) -> AlphaBeta:
+        return self.collectives[tier][op]
+
+    @property
+    def slots(self) -> int:
+        return self.node_size if self.compute_slots is None else self.compute_slots
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["collectives"] = {
+            t: {op: {"alpha": ab.alpha, "beta": ab.beta} for op, ab in ops.items()}
+            for t, ops in self.collectives.items()
+        }
+        for key in ("host_memory_bytes", "host_link_bandwidth", "host_adam_params_per_s"):
+            if math.isinf(out[key]):
+                out[key] = None
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown profile keys {unknown}; valid keys are {sorted(names)}")
+        d = dict(d)
+        d["collectives"] = {
+            t: {op: AlphaBeta(float(v["alpha"]), float(v["beta"])) for op, v in ops.items()}
+            for t, ops in (d.get("collectives") or {}).items()
+        }
+        for key in ("host_memory_bytes", "host_link_bandwidth", "host_adam_params_per_s"):
+            if d.get(key) is None:
+                d.pop(key, None)
+            else:
+                d[key] = float(d[key])
+        for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s"):
+            if key in d:
+                d[key] = float(d[key])
+        d["matmul_flops"] = {k: [[float(a), float(b)] for a, b in v] for k, v in (d.get("matmul_flops") or {}).items()}
+        return cls(**d)
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (``h100_node``: ``conf/cluster/h100_node.yaml``) or a yaml file by path."""
+    import yaml
+
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ValueError(
+            f"plan.cluster={name_or_path!r}: no profile {path}; valid names are {available_profiles()} "
+            f"(or a path to a profile yaml; `python -m experiments.plan --calibrate --out FILE` writes one)"
+        )
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a profile: expected a mapping of keys, got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    return Profile.from_dict(data)
+
+
+def save_profile(profile: Profile, path: str | Path, header: str = "") -> Path:
+    """Write ``profile`` as yaml (``load_profile`` reads it back equal); ``header``: comment lines on top."""
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(profile.to_dict(), sort_keys=False, default_flow_style=None, width=120)
+    lines = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    path.write_text(lines + text)
+    return path

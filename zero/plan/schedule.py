@@ -1,0 +1,243 @@
+"""A pipeline schedule's order of actions on each rank, as torch.distributed.pipelining runs it, and
+what follows from that order alone: the activations each rank keeps alive and, given each action's
+duration, the step's length and bubble.
+
+Actions are ``(kind, stage, microbatch)`` with kind F (forward), B (full backward), I (backward
+for the input) and W (backward for the weights). A rank's order is a list of groups: one action,
+or DualPipeV's overlapped forward-backward pair, which torch's runtime runs one after the other and
+which, as in ``experiments/bench_pipeline.simulate``, starts once the inputs of both exist.
+
+Where the order comes from: for the multi-stage schedules (interleaved_1f1b, interleaved_zb, zbv,
+dualpipev) torch builds it in the constructor and its runtime executes exactly that list, so it is
+taken from the schedule class itself, built over stand-in stages (no process group, no module).
+The single-stage schedules (gpipe, 1f1b) do not execute their ``pipeline_order``: their
+``_step_microbatches`` runs a fixed loop, mirrored here. (torch 2.13's ``Schedule1F1B`` IR also
+differs from what it runs: its last rank starts at micro-batch 1 and warms up one forward less.)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch.nn as nn
+from torch.distributed import pipelining as tpp
+
+from ..pipeline import SCHEDULES, PipelinePlan
+
+Action = tuple[str, int, int]
+
+
+class _StandInStage:
+    """The attributes torch's schedule constructors read of a stage, and nothing else."""
+
+    def __init__(self, stage_index: int, num_stages: int, pp: int, rank: int):
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_size, self.group_rank = pp, rank
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod = nn.Identity()
+
+
+def _single_stage(schedule: str, pp: int, m: int) -> dict[int, list[list[Action]]]:
+    out = {}
+    for r in range(pp):
+        if schedule == "gpipe":
+            acts = [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
+        else:  # Schedule1F1B._step_microbatches: warm up pp - stage forwards, then B,F pairs, then the rest
+            warm = min(m, pp - r)
+            acts = [("F", r, i) for i in range(warm)]
+            f, b = warm, 0
+            while True:
+                acts.append(("B", r, b))
+                b += 1
+                if f == m:
+                    break
+                acts.append(("F", r, f))
+                f += 1
+            acts += [("B", r, i) for i in range(b, m)]
+        out[r] = [[a] for a in acts]
+    return out
+
+
+_KINDS = {"F": "F", "B": "B", "I": "I", "W": "W"}
+
+
+@functools.lru_cache(maxsize=512)
+def _orders(schedule: str, pp: int, virtual: int, m: int) -> tuple:
+    if SCHEDULES[schedule][1] == "single":
+        orders = _single_stage(schedule, pp, m)
+    else:
+        plan = PipelinePlan(pp=pp, virtual=virtual, schedule=schedule, microbatches=m, ranges=())
+        stages = [_StandInStage(s, pp * virtual, pp, 0) for s in plan.stages_of(0)]
+        cls = getattr(tpp, SCHEDULES[schedule][0])
+        sched = cls(stages, n_microbatches=m, loss_fn=lambda out, target: out, scale_grads=False)
+        orders = {}
+        for r, actions in sched.pipeline_order.items():
+            groups = []
+            for a in actions:
+                if a is None:
+                    continue
+                subs = a.sub_actions or [a]
+                group = [
+                    (_KINDS[x.computation_type.value], x.stage_index, x.microbatch_index)
+                    for x in subs
+                    if x.computation_type.value in _KINDS
+                ]
+                if group:
+                    groups.append(group)
+            orders[r] = groups
+    return tuple(tuple(tuple(g) for g in orders[r]) for r in range(pp))
+
+
+def rank_orders(plan: PipelinePlan) -> tuple:
+    """``orders[r]``: pipeline rank r's action groups in the order it runs them."""
+    return _orders(plan.schedule, plan.pp, plan.virtual, plan.microbatches)
+
+
+@dataclass(frozen=True)
+class LiveActivations:
+    peak_bytes: tuple[float, ...]  # per rank: the most activation bytes alive at once
+    peak_extra: tuple[float, ...]  # per rank: the second accumulator at that same moment
+    peak_count: tuple[int, ...]  # per rank: the most (stage, micro-batch) forwards alive at once
+
+
+def live_activations(orders, act, keep, extra=None) -> LiveActivations:
+    """Walk each rank's order: F of stage s adds ``act[s]`` (and ``extra[s]``), I leaves ``keep[s]``
+    of it for the weight pass, W frees that, B frees it all. The peak is over the walk; the
+    schedule's timing does not change which forwards are alive, only the order does."""
+    extra = extra or [0.0] * len(act)
+    peaks, extras, counts = [], [], []
+    for groups in orders:
+        live = x = 0.0
+        alive: dict[tuple[int, int], int] = {}  # (stage, mb) -> 2 before I, 1 between I and W
+        best = (0.0, 0.0)
+        most = 0
+        for group in groups:
+            for kind, s, mb in group:
+                if kind == "F":
+                    live += act[s]
+                    x += extra[s]
+                    alive[(s, mb)] = 2
+                elif kind == "I":
+                    live -= act[s] - keep[s]
+                    x -= extra[s]
+                    alive[(s, mb)] = 1
+                elif kind == "W":
+                    live -= keep[s]
+                    alive.pop((s, mb), None)
+                else:  # B
+                    live -= act[s]
+                    x -= extra[s]
+                    alive.pop((s, mb), None)
+                if live + x > best[0] + best[1]:
+                    best = (live, x)
+                most = max(most, sum(1 for v in alive.values() if v == 2))
+        peaks.append(best[0])
+        extras.append(best[1])
+        counts.append(most)
+    return LiveActivations(tuple(peaks), tuple(extras), tuple(counts))
+
+
+def _deps(kind: str, s: int, mb: int, num_stages: int) -> list[tuple]:
+    # a forward needs the previous stage's forward of that micro-batch, an input gradient ("G",
+    # from I or B) the next stage's and its own forward, a weight gradient its own input gradient
+    if kind == "F":
+        return [] if s == 0 else [("F", s - 1, mb)]
+    if kind in "IB":
+        return [("F", s, mb)] + ([] if s == num_stages - 1 else [("G", s + 1, mb)])
+    return [("G", s, mb)]
+
+
+@dataclass(frozen=True)
+class Simulated:
+    makespan: float  # the step's pipeline part: the last rank's last action
+    finish: tuple[float, ...]  # per rank: when its last action ends
+    busy: tuple[float, ...]  # per rank: the time it computes
+
+    @property
+    def bubble(self) -> float:
+        """The worst rank's idle fraction of the makespan."""
+        return max(1 - b / self.makespan for b in self.busy) if self.makespan > 0 else 0.0
+
+
+def simulate(orders, stage_rank, dur, latency=None, first=None) -> Simulated:
+    """Each rank runs its groups in order, a group as soon as the rank is free and the inputs of
+    the whole group exist. ``dur[kind][s]``: the duration of stage s's pass of that kind;
+    ``latency[s]``: the time an activation (forward) or gradient (backward) takes between stage s
+    and s + 1 (only across ranks: the two stages of one V-shaped rank hand over in memory);
+    ``first[kind][s]``: the duration of stage s's first pass of that kind, when it differs (ZeRO-3
+    gathers the weights in the first forward of a step). With unit durations and free
+    communication this is ``experiments/bench_pipeline.simulate``."""
+    num_stages = len(stage_rank)
+    latency = latency or [0.0] * num_stages
+    first = first or {}
+    tag = lambda kind, s, mb: ("G" if kind in "IB" else kind, s, mb)  # noqa: E731
+    finish: dict[tuple, float] = {}
+    seen: set[tuple[str, int]] = set()
+    free = [0.0] * len(orders)
+    busy = [0.0] * len(orders)
+    pos = [0] * len(orders)
+    remaining = sum(len(g) for g in orders)
+    while remaining:
+        progressed = False
+        for r, groups in enumerate(orders):
+            while pos[r] < len(groups):
+                group = groups[pos[r]]
+                inside = {tag(*a) for a in group}
+                deps = [d for a in group for d in _deps(a[0], a[1], a[2], num_stages) if d not in inside]
+                if any(d not in finish for d in deps):
+                    break
+                ready = free[r]
+                for kind, s, mb in deps:
+                    # a dependency on the neighbouring stage on another rank crosses the link
+                    # between them: stage s -> s + 1 for an activation, s - 1 <- s for a gradient
+                    hop = 0.0 if stage_rank[s] == r else latency[s if kind == "F" else s - 1]
+                    ready = max(ready, finish[(kind, s, mb)] + hop)
+                t = ready
+                for kind, s, mb in group:
+                    d = dur[kind][s]
+                    if (kind, s) not in seen:
+                        seen.add((kind, s))
+                        d = first.get(kind, {}).get(s, d)
+                    t += d
+                    busy[r] += d
+                    finish[tag(kind, s, mb)] = t
+                free[r] = t
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule's actions cannot all run: a dependency is never met")
+    return Simulated(max(free), tuple(free), tuple(busy))
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulate_cached(plan_key, stage_rank, dur, latency, first) -> Simulated:
+    orders = _orders(*plan_key)
+    return simulate(
+        orders, list(stage_rank), {k: list(v) for k, v in dur}, list(latency), {k: dict(v) for k, v in first}
+    )
+
+
+def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None) -> Simulated:
+    """``simulate`` over ``plan``'s own order, memoised: layouts that differ only in what does not
+    change a pass's duration (offload, ZeRO 0-2) share one simulation."""
+    key = (plan.schedule, plan.pp, plan.virtual, plan.microbatches)
+    return _simulate_cached(
+        key,
+        tuple(stage_rank),
+        tuple((k, tuple(v)) for k, v in sorted(dur.items())),
+        tuple(latency),
+        tuple((k, tuple(sorted(v.items()))) for k, v in sorted((first or {}).items())),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _live_cached(plan_key, act, keep, extra) -> LiveActivations:
+    return live_activations(_orders(*plan_key), list(act), list(keep), list(extra))
+
+
+def live_plan(plan: PipelinePlan, act, keep, extra=None) -> LiveActivations:
+    """``live_activations`` over ``plan``'s own order, memoised."""
+    key = (plan.schedule, plan.pp, plan.virtual, plan.microbatches)
+    return _live_cached(key, tuple(act), tuple(keep), tuple(extra or [0.0] * len(act)))
