@@ -276,30 +276,64 @@ def _time(fn, repeats: int, sync=lambda: None, best: bool = False) -> float:
     return times[0] if best else times[len(times) // 2]
 
 
+def _dispatched(fn) -> int:
+    """Operators ``fn`` dispatches (views included), counted as moe.costs counts a block's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def background_load(cores: int, seconds: float = 2.0) -> float:
+    """Other work on this host in busy processes: a busy thread's share s of a core (process time
+    over wall time) is cores / (1 + load) when below 1."""
+    import torch
+
+    a = torch.randn(256, 256)
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        a @ a
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    return max(0.0, cores / share - 1) if share < 0.95 else 0.0
+
+
 def measure_device(device: str, quick: bool = False) -> dict:
+    """The rates of this device. Each timing is the best of its repeats: the rate of the device
+    itself, the share other work takes being ``background_load`` (measured apart)."""
     import torch
 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out: dict = {"matmul_flops": {}}
-    sizes = [256, 512, 1024, 2048, 4096, 8192] if cuda else [32, 64, 128, 256, 512, 1024]
+    # shapes [m, k, n]: tokens (or an expert's rows) by a model's widths
+    ms = [256, 1024, 4096, 16384] if cuda else [64, 256, 1024, 4096]
+    ks = [256, 1024, 4096, 8192] if cuda else [16, 64, 256, 1024]
     if quick:
-        sizes = sizes[:3]
+        ms, ks = ms[:2], ks[:2]
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         rows = []
-        for n in sizes:
-            a = torch.randn(n, n, device=device, dtype=dtype)
-            b = torch.randn(n, n, device=device, dtype=dtype)
-            reps = max(3, min(50, int(2e9 / (2 * n**3)) if not cuda else 20))
-            t = _time(lambda: torch.mm(a, b), reps, sync)
-            rows.append([n, 2 * n**3 / t])
+        for m in ms:
+            for k in ks:
+                for n in ks:
+                    a = torch.randn(m, k, device=device, dtype=dtype)
+                    b = torch.randn(k, n, device=device, dtype=dtype)
+                    flops = 2 * m * k * n
+                    reps = 10 if cuda else max(2, min(20, int(2e8 / flops)))
+                    rows.append([m, k, n, flops / _time(lambda: torch.mm(a, b), reps, sync, best=True)])
         out["matmul_flops"][name] = rows
     n = (1 << 28) if cuda else (1 << 24 if quick else 1 << 25)  # 1 GiB / 64-128 MiB of fp32
     src = torch.empty(n, device=device)
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), 10, sync)
-    out["memory_bandwidth"] = 2 * n * 4 / t  # read and write
-    # one operator's fixed cost: a chain of tiny ops, forward and backward (about 2 per forward op)
+    out["memory_bandwidth"] = 2 * n * 4 / _time(lambda: dst.copy_(src), 10, sync, best=True)  # read and write
+    # one dispatched operator's fixed cost: a chain of tiny ops, forward and backward
     x = torch.ones(8, device=device, requires_grad=True)
 
     def chain():
@@ -308,21 +342,23 @@ def measure_device(device: str, quick: bool = False) -> dict:
             y = y * 1.0001
         y.sum().backward()
 
-    out["op_overhead_s"] = _time(chain, 10, sync) / 300
+    out["op_overhead_s"] = _time(chain, 10, sync, best=True) / _dispatched(chain)
     if cuda:
         host = torch.empty(1 << 26, pin_memory=True)
         dev = torch.empty(1 << 26, device=device)
-        out["host_link_bandwidth"] = host.numel() * 4 / _time(lambda: dev.copy_(host, non_blocking=True), 10, sync)
+        out["host_link_bandwidth"] = (
+            host.numel() * 4 / _time(lambda: dev.copy_(host, non_blocking=True), 10, sync, best=True)
+        )
         out["device_memory_bytes"] = float(torch.cuda.get_device_properties(device).total_memory)
         out["device"] = torch.cuda.get_device_name(device)
     else:
         src = torch.empty(1 << 24)
         dst = torch.empty_like(src)
-        out["host_link_bandwidth"] = src.numel() * 4 / _time(lambda: dst.copy_(src), 10)
+        out["host_link_bandwidth"] = src.numel() * 4 / _time(lambda: dst.copy_(src), 10, best=True)
     p = torch.zeros(1 << 21, requires_grad=True)  # the host optimizer (ZeRO-Offload) on 2M parameters
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-    out["host_adam_params_per_s"] = p.numel() / _time(opt.step, 5)
+    out["host_adam_params_per_s"] = p.numel() / _time(opt.step, 5, best=True)
     return out
 
 
@@ -423,7 +459,7 @@ def run_calibrate(argv: list[str]) -> int:
     sources = dict(base.get("sources") or {})
     for key in ("matmul_flops", "memory_bandwidth", "op_overhead_s", "host_link_bandwidth", "host_adam_params_per_s"):
         d[key] = m[key]
-        sources[key] = f"measured by python -m experiments.plan --calibrate on {device}"
+        sources[key] = f"measured by python -m experiments.plan --calibrate on {device}, best of repeats"
     if cuda:
         d["device"], d["device_memory_bytes"] = m["device"], m["device_memory_bytes"]
         sources["device_memory_bytes"] = "torch.cuda.get_device_properties().total_memory"
@@ -441,6 +477,8 @@ def run_calibrate(argv: list[str]) -> int:
             compute_slots=cores,
         )
         d["host_memory_bytes"] = float(mem)
+        d["background_load"] = background_load(cores, 0.5 if a.quick else 2.0)
+        sources["background_load"] = "busy processes of other work: cores / (a busy thread's share of a core) - 1"
         sources["device_memory_bytes"] = "os.sysconf: the host's memory, shared by its ranks"
         sources["node_size"] = "every local rank is in one node (one host; gloo over loopback)"
         sources["compute_slots"] = "os.cpu_count(): ranks beyond it share cores"

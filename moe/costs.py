@@ -23,9 +23,16 @@ from zero.plan import BlockCost, MatMul, ModelCosts
 from .model import TransformerConfig
 
 _BYTES = {"fp32": 4, "bf16": 2}
-# forward operators per part (counted in moe.attention, moe.layer and moe.experts as written:
-# RMSNorm's casts and reductions, the rotary halves, the router, its statistics and aux losses)
-_OPS_NORM, _OPS_ATTN, _OPS_MLA, _OPS_FFN, _OPS_MOE = 8, 22, 30, 6, 60
+# operators one forward dispatches per part (views included), as moe.attention, moe.layer and
+# moe.experts are written, counted with a TorchDispatchMode (tests/moe/test_costs.py holds them to
+# it): an RMSNorm, attention (its projections, rotary halves, SDPA), MLA (q by rank or not), a q/k
+# norm, a SwiGLU or GELU FFN, the MoE layer's router, statistics and aux losses and routed experts,
+# the shared experts' gate, the head with its loss, the block's two residual additions
+# bytes the forward's non-matmul operators read and write, over the bytes saved for backward: casts,
+# norms, rotary halves, softmax, residuals, and an MoE layer's routing, statistics (float64) and
+# permutations; measured with a TorchDispatchMode over these blocks (tests/moe/test_costs.py)
+_TRAFFIC_DENSE, _TRAFFIC_MOE = 2.6, 6.4
+_OPS = dict(norm=6, attn=41, mla=82, mla_q_lora=11, qk_norm=7, swiglu=11, gelu=7, moe=253, gate=5, head=16, residual=2)
 
 
 def _norm_saved(width: int, c: int) -> float:
@@ -77,7 +84,8 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
         saved += _norm_saved(kvr, c) + c * kvr + c * 2 * H * J + c * H * (nope + O) + c * H * O + 4 * H + c * H * O
         wgrad += c * (D + kvr + H * O) + c * (kvr + rope + H * (nope + O) + D)
         transient = c * (2 * H * J + 2 * H * O)
-        return tuple(mms) + scores, params, saved, wgrad, transient, _OPS_MLA
+        ops = _OPS["mla"] + (_OPS["mla_q_lora"] if qr is not None else 0)
+        return tuple(mms) + scores, params, saved, wgrad, transient, ops
     Z = cfg.kv_heads
     params = D * (H + 2 * Z) * J + H * J * D
     if cfg.qkv_bias:
@@ -94,7 +102,8 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
     mms = (MatMul(k=D, n=(H + 2 * Z) * J), MatMul(k=H * J, n=D)) + scores
     wgrad = c * (D + H * O) + c * ((H + 2 * Z) * J + D)
     transient = c * (H + 2 * Z) * J
-    return mms, params, saved, wgrad, transient, _OPS_ATTN
+    ops = _OPS["attn"] + (2 * _OPS["qk_norm"] if cfg.qk_norm != "none" else 0)
+    return mms, params, saved, wgrad, transient, ops
 
 
 EXPERT_KERNELS = ("grouped", "fused")
@@ -123,7 +132,7 @@ def model_costs(
             name="embed",
             params_dense=V * D,
             elementwise_bytes=2 * c * D,
-            ops=3,
+            ops=1,
             act_bytes=8,  # the token ids
             act_bytes_checkpointed=8,
             transient_bytes=c * D,
@@ -140,7 +149,7 @@ def model_costs(
         saved = norms + attn_saved
         wgrad = attn_wgrad
         transient = 2 * c * D + attn_transient
-        ops = 2 * _OPS_NORM + attn_ops + 2
+        ops = 2 * _OPS["norm"] + attn_ops + _OPS["residual"]
         moe_fields = {}
         if cfg.is_moe_block(i):
             m = cfg.moe
@@ -169,11 +178,13 @@ def model_costs(
                 saved += s_saved + c * D
                 wgrad += s_wgrad
                 transient = max(transient, s_transient)
+                ops += _OPS[m.activation]
             if m.shared_expert_gate:
                 mms.append(MatMul(k=D, n=1))
                 params_dense += D
                 saved += 2 * c
-            ops += _OPS_MOE
+                ops += _OPS["gate"]
+            ops += _OPS["moe"]
             moe_fields = dict(
                 num_experts=E,
                 top_k=K,
@@ -191,15 +202,14 @@ def model_costs(
             saved += f_saved
             wgrad += f_wgrad
             transient = max(transient, f_transient)
-            ops += _OPS_FFN
+            ops += _OPS["swiglu"]
         blocks.append(
             BlockCost(
                 name=f"block{i}" + (" (moe)" if moe_fields else ""),
                 params_dense=params_dense,
                 params_expert=params_expert,
                 matmuls=tuple(mms),
-                # each saved tensor was written once and is read again in backward
-                elementwise_bytes=2 * saved,
+                elementwise_bytes=(_TRAFFIC_MOE if moe_fields else _TRAFFIC_DENSE) * saved,
                 ops=ops,
                 act_bytes=saved,
                 act_bytes_checkpointed=c * D,  # the block's input only
@@ -216,7 +226,7 @@ def model_costs(
             params_dense=D + (0 if tied else V * D),
             matmuls=(MatMul(k=D, n=V),),
             elementwise_bytes=2 * c * D + 3 * 4 * V,
-            ops=_OPS_NORM + 6,
+            ops=_OPS["head"],
             # the norm, lm_head's input, the loss's fp32 log-probabilities
             act_bytes=_norm_saved(D, c) + c * D + 4 * V,
             act_bytes_checkpointed=_norm_saved(D, c) + c * D + 4 * V,  # blocks only are checkpointed

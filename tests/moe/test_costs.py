@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as nnf
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import routing_kernels as rk
 from moe import MoEConfig
@@ -148,6 +150,54 @@ def test_saved_activations_per_layer_within_ten_percent_of_autograds(name, kerne
     per_layer = per_layer[:-2] + [per_layer[-2] + per_layer[-1]]  # the head: final norm, lm_head, loss
     for b, got in zip(costs.blocks, per_layer):
         assert b.act_bytes * B * L == pytest.approx(got, rel=0.1), b.name
+
+
+_VIEWS = {"view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze", "squeeze", "permute"}
+_VIEWS |= {"split", "split_with_sizes", "unbind", "_unsafe_view", "alias", "detach", "reshape"}
+_PRODUCTS = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+class _Dispatched(TorchDispatchMode):
+    """Operators dispatched, and the bytes the non-matmul, non-view ones read and write (weights
+    left out: they are the matmuls' operands)."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.skip, self.ops, self.bytes = skip, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        name = func._schema.name.split("::")[1]
+        if name not in _VIEWS and name not in _PRODUCTS:
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.skip:
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_operator_counts_and_elementwise_bytes_are_the_forwards(name):
+    # the fixed per-operator cost and the bandwidth term of the step time rest on these
+    cfg = CONFIGS[name]
+    B, L = 4, 32
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    costs = model_costs(cfg, L, experts="fused")
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randint(0, V, (B, L))
+    with _Dispatched(skip) as d:
+        h = model.embed(x)
+    assert d.ops == costs.blocks[0].ops
+    cos, sin = model.rope_cos[:L], model.rope_sin[:L]
+    for block, cost in zip(model.blocks, costs.blocks[1:-1]):
+        with _Dispatched(skip) as d:
+            h = block(h, cos, sin)
+        assert cost.ops == pytest.approx(d.ops, rel=0.02), cost.name
+        assert cost.elementwise_bytes * B * L == pytest.approx(d.bytes, rel=0.25), cost.name
+    with _Dispatched(skip) as d:
+        nnf.cross_entropy(model.lm_head(model.norm(h)).float().flatten(0, 1), x.flatten())
+    assert d.ops == costs.blocks[-1].ops
 
 
 def test_checkpointing_saves_the_block_input_and_bf16_halves_it():

@@ -210,9 +210,10 @@ class _Costing:
         self.dtype = "bf16" if (costs.act_dtype == "bf16" or rec.mixed_precision == "bf16") else "fp32"
         self.tokens = rec.micro_rows * costs.seq_len  # of one micro-batch on one rank
         self.groups = _Groups(rec, profile.node_size)
-        # ranks of one node share its compute slots (a CPU's cores)
+        # ranks of one node share its compute slots (a CPU's cores) with each other and with the
+        # node's other work: each gets slots / (ranks + background) of one when that is below 1
         per_node = min(rec.world, profile.node_size)
-        self.contention = max(1.0, per_node / profile.slots)
+        self.contention = max(1.0, (per_node + profile.background_load) / profile.slots)
 
     # ----- collectives ---------------------------------------------------------------------------
     def coll(self, op: str, nbytes: float, ranks) -> float:
@@ -278,9 +279,11 @@ class _Costing:
         held = b.params_dense + b.params_expert / rec.ep
         weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
         elem = T * b.elementwise_bytes / p.memory_bandwidth
+        # the backward dispatches ~1.7x the forward's operators (counted: 1.5x for an MoE block,
+        # 1.9x for a dense one) and moves ~2.3x its bytes, most of both for the input gradient
         f += elem + weights + b.ops * p.op_overhead_s
-        i += 1.5 * elem + weights + 1.5 * b.ops * p.op_overhead_s
-        w += 0.5 * elem + weights + 0.5 * b.ops * p.op_overhead_s
+        i += 1.6 * elem + weights + 1.2 * b.ops * p.op_overhead_s
+        w += 0.7 * elem + weights + 0.5 * b.ops * p.op_overhead_s
         k = self.contention
         return {"F": f * k, "I": i * k, "W": w * k}
 

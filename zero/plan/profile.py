@@ -18,7 +18,6 @@ latency of one step. ``fit_alpha_beta`` recovers both from timings by least squa
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -93,7 +92,7 @@ class Profile:
     device: str  # what it is, in words
     device_memory_bytes: float
     node_size: int  # devices per node: a group inside one node uses the intra tier
-    # matmul FLOP/s of an n x n x n product, by dtype: [[n, flop_s], ...] ascending in n
+    # matmul FLOP/s by dtype and shape: [[m, k, n, flop_s], ...] ([n, flop_s]: an n x n x n product)
     matmul_flops: dict[str, list[list[float]]]
     memory_bandwidth: float  # bytes/s of a large device copy (read + write counted)
     collectives: dict[str, dict[str, AlphaBeta]]  # tier -> op -> α, β
@@ -102,7 +101,10 @@ class Profile:
     host_adam_params_per_s: float = math.inf  # the offloaded optimizer's step rate on the host
     # devices of a node that compute at the same time (a CPU's cores: more ranks than cores share them)
     compute_slots: int | None = None
-    op_overhead_s: float = 0.0  # fixed cost of one operator (launch, dispatch, autograd bookkeeping)
+    op_overhead_s: float = 0.0  # fixed cost of one dispatched operator (launch, dispatch, autograd bookkeeping)
+    # other work that shares the node's compute slots, in busy processes (0 on dedicated GPUs; on a
+    # shared host measured from the share s of a core one busy process gets: slots / s - 1)
+    background_load: float = 0.0
     # the ranks of a node share device_memory_bytes (CPU ranks in one host's memory)
     memory_shared_by_node: bool = False
     # the routed experts' kernel, which decides what they save per row (moe.costs): grouped (GPU) or fused (CPU)
@@ -119,32 +121,41 @@ class Profile:
                 raise ValueError(f"profile {self.name}: collectives.{tier} lacks {missing} (needs {list(COLLECTIVES)})")
         if not self.matmul_flops or any(not rows for rows in self.matmul_flops.values()):
             raise ValueError(f"profile {self.name}: matmul_flops needs [[n, flop_s], ...] for at least one dtype")
-        # the log-log table matmul_rate interpolates in, once (the profile is frozen)
+        # the points matmul_rate interpolates between, in log space, once (the profile is frozen)
         tables = {}
         for dtype, rows in self.matmul_flops.items():
-            rows = sorted(rows)
-            if any(r[0] <= 0 or r[1] <= 0 for r in rows):
-                raise ValueError(f"profile {self.name}: matmul_flops.{dtype}={rows} needs positive sizes and rates")
-            tables[dtype] = ([math.log(r[0]) for r in rows], [math.log(r[1]) for r in rows])
+            pts = []
+            for r in rows:
+                if len(r) not in (2, 4) or any(v <= 0 for v in r):
+                    raise ValueError(
+                        f"profile {self.name}: matmul_flops.{dtype} row {r} must be positive [n, flop_s] "
+                        f"or [m, k, n, flop_s]"
+                    )
+                m, k, n = (r[0],) * 3 if len(r) == 2 else r[:3]
+                pts.append(((math.log(m), math.log(k), math.log(n)), math.log(r[-1])))
+            tables[dtype] = pts
         object.__setattr__(self, "_tables", tables)
+        if not self.background_load >= 0:
+            raise ValueError(f"profile {self.name}: background_load={self.background_load!r} must be >= 0")
 
     def matmul_rate(self, dtype: str, m: float, k: float, n: float) -> float:
-        """FLOP/s of an [m, k] @ [k, n] product: the square product of the same work
-        ((m k n)^(1/3) per side), interpolated in log size between the measured ones and held
-        at the ends. A dtype the profile lacks takes the nearest one it has (fp32 for bf16 on a
-        profile measured in fp32 only)."""
-        xs, ys = self._log_table(dtype)
-        x = math.log(max(float(m) * k * n, 1.0)) / 3
-        if x <= xs[0]:
-            return math.exp(ys[0])
-        if x >= xs[-1]:
-            return math.exp(ys[-1])
-        i = bisect.bisect_right(xs, x)
-        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return math.exp(ys[i - 1] + t * (ys[i] - ys[i - 1]))
-
-    def _log_table(self, dtype: str) -> tuple[list[float], list[float]]:
-        return self._tables.get(dtype) or next(iter(self._tables.values()))
+        """FLOP/s of an [m, k] @ [k, n] product: the measured shapes' rates, interpolated in log
+        space (inverse-distance weights, power 4: the nearest shapes dominate; a measured shape
+        gives its own rate; one shape gives its rate everywhere). A dtype the profile lacks takes
+        the first one it has."""
+        pts = self._tables.get(dtype) or next(iter(self._tables.values()))
+        if len(pts) == 1:
+            return math.exp(pts[0][1])
+        x = (math.log(max(m, 1.0)), math.log(max(k, 1.0)), math.log(max(n, 1.0)))
+        num = den = 0.0
+        for p, y in pts:
+            d2 = (x[0] - p[0]) ** 2 + (x[1] - p[1]) ** 2 + (x[2] - p[2]) ** 2
+            if d2 < 1e-18:
+                return math.exp(y)
+            w = 1.0 / (d2 * d2)
+            num += w * y
+            den += w
+        return math.exp(num / den)
 
     def link(self, tier: str, op: str) -> AlphaBeta:
         return self.collectives[tier][op]
@@ -180,10 +191,12 @@ class Profile:
                 d.pop(key, None)
             else:
                 d[key] = float(d[key])
-        for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s"):
+        for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s", "background_load"):
             if key in d:
                 d[key] = float(d[key])
-        d["matmul_flops"] = {k: [[float(a), float(b)] for a, b in v] for k, v in (d.get("matmul_flops") or {}).items()}
+        d["matmul_flops"] = {
+            k: [[float(x) for x in row] for row in v] for k, v in (d.get("matmul_flops") or {}).items()
+        }
         return cls(**d)
 
 
@@ -214,9 +227,17 @@ def save_profile(profile: Profile, path: str | Path, header: str = "") -> Path:
     """Write ``profile`` as yaml (``load_profile`` reads it back equal); ``header``: comment lines on top."""
     import yaml
 
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def short_lists(dumper, data):  # a shape row or a list of numbers on one line; mappings in blocks
+        flow = all(not isinstance(x, (list, dict)) for x in data)
+        return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+    Dumper.add_representer(list, short_lists)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(profile.to_dict(), sort_keys=False, default_flow_style=None, width=120)
+    text = yaml.dump(profile.to_dict(), Dumper=Dumper, sort_keys=False, default_flow_style=False, width=120)
     lines = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
     path.write_text(lines + text)
     return path

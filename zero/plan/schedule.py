@@ -109,29 +109,27 @@ def live_activations(orders, act, keep, extra=None) -> LiveActivations:
     peaks, extras, counts = [], [], []
     for groups in orders:
         live = x = 0.0
-        alive: dict[tuple[int, int], int] = {}  # (stage, mb) -> 2 before I, 1 between I and W
         best = (0.0, 0.0)
-        most = 0
+        alive = most = 0  # forwards whose input-gradient pass has not run
         for group in groups:
-            for kind, s, mb in group:
+            for kind, s, _ in group:
                 if kind == "F":
                     live += act[s]
                     x += extra[s]
-                    alive[(s, mb)] = 2
+                    alive += 1
                 elif kind == "I":
                     live -= act[s] - keep[s]
                     x -= extra[s]
-                    alive[(s, mb)] = 1
+                    alive -= 1
                 elif kind == "W":
                     live -= keep[s]
-                    alive.pop((s, mb), None)
                 else:  # B
                     live -= act[s]
                     x -= extra[s]
-                    alive.pop((s, mb), None)
+                    alive -= 1
                 if live + x > best[0] + best[1]:
                     best = (live, x)
-                most = max(most, sum(1 for v in alive.values() if v == 2))
+                most = max(most, alive)
         peaks.append(best[0])
         extras.append(best[1])
         counts.append(most)
@@ -156,8 +154,9 @@ class Simulated:
 
     @property
     def bubble(self) -> float:
-        """The worst rank's idle fraction of the makespan."""
-        return max(1 - b / self.makespan for b in self.busy) if self.makespan > 0 else 0.0
+        """The busiest rank's idle fraction of the makespan: what a perfect schedule of these
+        stages would still save (a rank with lighter stages idles more, but does not set the pace)."""
+        return 1 - max(self.busy) / self.makespan if self.makespan > 0 else 0.0
 
 
 def simulate(orders, stage_rank, dur, latency=None, first=None) -> Simulated:
@@ -167,47 +166,49 @@ def simulate(orders, stage_rank, dur, latency=None, first=None) -> Simulated:
     and s + 1 (only across ranks: the two stages of one V-shaped rank hand over in memory);
     ``first[kind][s]``: the duration of stage s's first pass of that kind, when it differs (ZeRO-3
     gathers the weights in the first forward of a step). With unit durations and free
-    communication this is ``experiments/bench_pipeline.simulate``."""
+    communication this is ``experiments/bench_pipeline.simulate``. Event-driven: a rank blocked on
+    an input waits for the action that makes it, so each action is looked at a few times only."""
     num_stages = len(stage_rank)
     latency = latency or [0.0] * num_stages
     first = first or {}
     tag = lambda kind, s, mb: ("G" if kind in "IB" else kind, s, mb)  # noqa: E731
     finish: dict[tuple, float] = {}
     seen: set[tuple[str, int]] = set()
-    free = [0.0] * len(orders)
-    busy = [0.0] * len(orders)
-    pos = [0] * len(orders)
-    remaining = sum(len(g) for g in orders)
-    while remaining:
-        progressed = False
-        for r, groups in enumerate(orders):
-            while pos[r] < len(groups):
-                group = groups[pos[r]]
-                inside = {tag(*a) for a in group}
-                deps = [d for a in group for d in _deps(a[0], a[1], a[2], num_stages) if d not in inside]
-                if any(d not in finish for d in deps):
-                    break
-                ready = free[r]
-                for kind, s, mb in deps:
-                    # a dependency on the neighbouring stage on another rank crosses the link
-                    # between them: stage s -> s + 1 for an activation, s - 1 <- s for a gradient
-                    hop = 0.0 if stage_rank[s] == r else latency[s if kind == "F" else s - 1]
-                    ready = max(ready, finish[(kind, s, mb)] + hop)
-                t = ready
-                for kind, s, mb in group:
-                    d = dur[kind][s]
-                    if (kind, s) not in seen:
-                        seen.add((kind, s))
-                        d = first.get(kind, {}).get(s, d)
-                    t += d
-                    busy[r] += d
-                    finish[tag(kind, s, mb)] = t
-                free[r] = t
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the schedule's actions cannot all run: a dependency is never met")
+    n = len(orders)
+    free, busy, pos = [0.0] * n, [0.0] * n, [0] * n
+    waiting: dict[tuple, list[int]] = {}
+    ready_ranks = list(range(n))
+    while ready_ranks:
+        r = ready_ranks.pop()
+        groups = orders[r]
+        while pos[r] < len(groups):
+            group = groups[pos[r]]
+            inside = {tag(*a) for a in group}
+            deps = [d for a in group for d in _deps(a[0], a[1], a[2], num_stages) if d not in inside]
+            missing = next((d for d in deps if d not in finish), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            t = free[r]
+            for kind, s, mb in deps:
+                # a dependency on the neighbouring stage on another rank crosses the link
+                # between them: stage s -> s + 1 for an activation, s - 1 <- s for a gradient
+                hop = 0.0 if stage_rank[s] == r else latency[s if kind == "F" else s - 1]
+                t = max(t, finish[(kind, s, mb)] + hop)
+            for kind, s, mb in group:
+                d = dur[kind][s]
+                if (kind, s) not in seen:
+                    seen.add((kind, s))
+                    d = first.get(kind, {}).get(s, d)
+                t += d
+                busy[r] += d
+                key = tag(kind, s, mb)
+                finish[key] = t
+                ready_ranks.extend(waiting.pop(key, ()))
+            free[r] = t
+            pos[r] += 1
+    if any(pos[r] < len(orders[r]) for r in range(n)):
+        raise RuntimeError("the schedule's actions cannot all run: a dependency is never met")
     return Simulated(max(free), tuple(free), tuple(busy))
 
 

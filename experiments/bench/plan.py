@@ -1,0 +1,374 @@
+"""How good are the planner's predictions? (a) measured here: the trainer run for a few steps per
+layout on gloo ranks, against ``zero.plan``'s step time and model-state memory on the
+``cpu_2core`` profile; (b) on paper: two published large runs against the planner on vendor
+profiles.
+
+    python -m experiments.bench.plan [--part a|b|ab] [--steps 6] [--quick] [--out results.json]
+
+(a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
+``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a time
+through ``tests.support.dist.run_distributed`` (the trainer's ``train`` on each rank, one intra-op
+thread per rank, as torchrun's ``OMP_NUM_THREADS=1``): dp, ep, ZeRO 1-3, offload, pipelines under
+three schedules, accumulation, checkpointing. Measured step time: the median over the steps after
+the first two of each step's time (``metrics.jsonl``'s tokens_per_s per step; validation excluded).
+Measured model-state bytes: ``zero.measure_memory`` of the engine after the last step's gradient
+reduction (the largest over the ranks). Printed: each layout's predicted and measured step time
+and memory, the mean absolute error in percent and Spearman's rank correlation of the step times,
+and the largest relative error of the model-state bytes.
+
+(b) DeepSeek-V3 (671B, MLA, 256 routed experts + 1 shared, top-8) on 2048 H800 as published (PP16
+DualPipe, EP64, ZeRO-1; 180K H800 GPU-hours per trillion tokens, i.e. ~1,540 tokens/s per GPU, batch
+15,360 x 4,096; DeepSeek-V3 technical report, arXiv:2412.19437) and Mixtral-8x7B on 64 H100
+(EP8 PP4 VP8, 468 TFLOP/s per GPU bf16, Megatron-Core MoE README as of MCore v0.9; a global batch
+of 256 x 4,096 assumed): the planner's prediction for the published layout, its throughput against
+the published one, and where the published layout ranks among the planner's layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import zero.plan as zplan
+from moe import MoEConfig
+from moe.costs import model_costs
+from moe.model import TransformerConfig
+
+BASE = [
+    "model=small",
+    "logger=none",
+    "train.batch_size=16",
+    "train.seq_len=128",
+    "train.eval_every=1000",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.checkpoint.every=0",
+    "train.resume=none",
+    "optim.warmup_steps=2",
+]
+
+# (world, layout fields): 2 and 4 ranks, every dimension the planner searches
+LAYOUTS = [
+    (2, dict()),
+    (2, dict(ep=2)),
+    (2, dict(zero_stage=1)),
+    (2, dict(zero_stage=2)),
+    (2, dict(zero_stage=3)),
+    (2, dict(zero_stage=1, zero_offload=True)),
+    (2, dict(grad_accum=2)),
+    (2, dict(checkpoint_activations=True)),
+    (2, dict(pp=2, pp_schedule="1f1b", pp_microbatches=4)),
+    (2, dict(pp=2, pp_schedule="gpipe", pp_microbatches=4)),
+    (2, dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_microbatches=4)),
+    (2, dict(pp=2, pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=4)),
+    (4, dict(ep=4)),
+    (4, dict(ep=2, zero_stage=3)),
+    (4, dict(pp=2, ep=2, zero_stage=3, pp_schedule="1f1b", pp_microbatches=4)),
+    (4, dict(zero_stage=2, grad_accum=2, checkpoint_activations=True)),
+]
+QUICK = [0, 1, 4, 5, 8, 10, 12, 14]
+
+
+def _rank_fn(rank, world, overrides, run_dir):
+    """One rank: the trainer on ``overrides``; the engine's model-state bytes after the last
+    reduction (a wrapped ``_wait_reductions``: each call is after a step's reduction completed)."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.train import train
+    from zero.engine import ZeroEngine
+    from zero.memory import measure_memory
+
+    seen = {}
+    original = ZeroEngine._wait_reductions
+
+    def wait_and_measure(self):
+        original(self)
+        seen["memory"] = measure_memory(self)
+
+    ZeroEngine._wait_reductions = wait_and_measure
+    try:
+        conf = Path(__file__).resolve().parents[2] / "conf"
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        train(cfg, run_dir=run_dir)  # every rank the same: only rank 0 writes
+    finally:
+        ZeroEngine._wait_reductions = original
+    return seen["memory"]["device_total"]
+
+
+def _spearman(a, b) -> float:
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = x.argsort()
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for v in np.unique(x):  # ties share their mean rank
+            r[x == v] = r[x == v].mean()
+        return r
+
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def part_a(steps: int, quick: bool) -> dict:
+    import os
+
+    from experiments.plan import background_load, compose, costs_of
+    from tests.support.dist import run_distributed
+
+    shipped = zplan.load_profile("cpu_2core")
+    cfg = compose(BASE)
+    costs = costs_of(cfg, shipped)
+    rows = []
+    chosen = [LAYOUTS[i] for i in QUICK] if quick else LAYOUTS
+    for world, fields in chosen:
+        rec = zplan.LayoutRecord(world=world, batch_size=int(cfg.train.batch_size), **fields)
+        problem = zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied)
+        if problem:
+            raise ValueError(f"{rec.label()}: {problem}")
+        # the machine is shared and its other work comes and goes: the profile's background
+        # load is measured again just before each run (the rest of the profile is the shipped one)
+        profile = dataclasses.replace(shipped, background_load=background_load(os.cpu_count() or 1, 1.0))
+        pred = zplan.predict(rec, costs, profile)
+        overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            mem = run_distributed(_rank_fn, world, overrides, str(Path(tmp) / "run"), timeout=900)
+            wall = time.perf_counter() - t0
+            lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+        per_step = [json.loads(x) for x in lines]
+        tokens = int(cfg.train.batch_size) * int(cfg.train.seq_len)
+        times = [tokens / r["tokens_per_s"] for r in per_step][2:]  # the first two steps warm up
+        measured = statistics.median(times)
+        row = dict(
+            world=world,
+            layout=rec.label(),
+            overrides=rec.overrides(),
+            predicted_s=pred.step_s,
+            measured_s=measured,
+            step_times=times,
+            predicted_model_states=pred.memory_parts["model_states"],
+            measured_model_states=max(mem),
+            predicted_peak=pred.memory_bytes,
+            background_load=profile.background_load,
+            wall_s=wall,
+        )
+        rows.append(row)
+        print(
+            f"| {world} | {rec.label()} | {profile.background_load:.1f} | {pred.step_s:.3f} | {measured:.3f} | "
+            f"{abs(pred.step_s - measured) / measured:.0%} | {row['predicted_model_states'] / 1e6:.3f} | "
+            f"{row['measured_model_states'] / 1e6:.3f} |",
+            flush=True,
+        )
+    p = np.array([r["predicted_s"] for r in rows])
+    m = np.array([r["measured_s"] for r in rows])
+    pm = np.array([r["predicted_model_states"] for r in rows])
+    mm = np.array([r["measured_model_states"] for r in rows])
+    summary = dict(
+        layouts=len(rows),
+        step_mae_pct=float(np.mean(np.abs(p - m) / m) * 100),
+        step_spearman=_spearman(p, m),
+        model_states_max_rel_err=float(np.max(np.abs(pm - mm) / mm)),
+    )
+    print(
+        f"\n{summary['layouts']} layouts: step time MAE {summary['step_mae_pct']:.1f}%, Spearman rho "
+        f"{summary['step_spearman']:.2f}; model-state bytes within "
+        f"{summary['model_states_max_rel_err']:.2%} of measured"
+    )
+    return dict(rows=rows, summary=summary)
+
+
+# ----- (b) on paper ---------------------------------------------------------------------------------
+
+
+def deepseek_v3() -> TransformerConfig:
+    """DeepSeek-V3's architecture (its config.json on the Hugging Face Hub; the report's table 1): 61
+    blocks, the first 3 dense (FFN 18,432), MLA (128 heads, q rank 1,536, kv rank 512, rope 64 +
+    nope 128, value 128), 256 routed experts of 2,048 and one shared, top-8 of 8 groups limited to 4,
+    sigmoid scores. The multi-token-prediction module is left out."""
+    m = MoEConfig(
+        d_model=7168,
+        d_ff=2048,
+        num_experts=256,
+        top_k=8,
+        score_func="sigmoid",
+        num_groups=8,
+        topk_groups=4,
+        route_scale=2.5,
+        expert_bias=True,
+        aux_loss_coef=0.0,
+        seq_aux_loss_coef=1e-4,
+        z_loss_coef=0.0,
+        num_shared_experts=1,
+        shared_d_ff=2048,
+    )
+    return TransformerConfig(
+        vocab_size=129280,
+        d_model=7168,
+        n_layers=61,
+        n_heads=128,
+        d_ff=18432,
+        max_seq_len=4096,
+        moe=m,
+        first_k_dense=3,
+        attention="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    )
+
+
+def mixtral_8x7b() -> TransformerConfig:
+    """Mixtral-8x7B (its config.json): 32 blocks, d_model 4,096, 32 heads, 8 key/value heads, 8
+    experts of 14,336, top-2."""
+    m = MoEConfig(d_model=4096, d_ff=14336, num_experts=8, top_k=2)
+    return TransformerConfig(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, max_seq_len=4096, moe=m
+    )
+
+
+CASES = {
+    "DeepSeek-V3 on 2048 H800": dict(
+        cfg=deepseek_v3,
+        profile="h800_node",
+        world=2048,
+        batch=15360,
+        published=dict(pp=16, ep=64, zero_stage=1, pp_schedule="dualpipev", pp_virtual_stages=2),
+        published_tokens_per_gpu=1e12 / (180e3 * 3600),
+        # what the search varies around the published layout (the whole space is ~10^5 layouts of
+        # simulated 16-32 stage pipelines: hours of Python): pp, ep, ZeRO, checkpointing, schedule
+        fixed=dict(grad_accum=1),
+        microbatches=(15, 20, 30, 40, 60, 120),
+    ),
+    "Mixtral-8x7B on 64 H100": dict(
+        cfg=mixtral_8x7b,
+        profile="h100_node",
+        world=64,
+        batch=256,
+        published=dict(pp=4, ep=8, zero_stage=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=8),
+        published_tflops=468e12,
+        fixed=dict(grad_accum=1),
+        microbatches=(4, 8, 16),
+    ),
+}
+
+
+def part_b(skew: float) -> dict:
+    out = {}
+    for name, case in CASES.items():
+        cfg = case["cfg"]()
+        costs = model_costs(cfg, 4096, act_dtype="bf16")
+        profile = zplan.load_profile(case["profile"])
+        t0 = time.perf_counter()
+        recs = [
+            r
+            for r in zplan.enumerate(
+                costs,
+                world=case["world"],
+                batch_size=case["batch"],
+                mixed_precision="bf16",
+                fixed=case["fixed"],
+                max_virtual=8,
+            )
+            if r.pp == 1 or r.pp_microbatches in case["microbatches"]
+        ]
+        ranked = zplan.rank(costs, profile, recs, skew=skew)
+        elapsed = time.perf_counter() - t0
+        flops = costs.model_flops_per_token()
+        if "published_tokens_per_gpu" in case:
+            published = case["published_tokens_per_gpu"]
+        else:
+            published = case["published_tflops"] / flops
+        best_pub = None
+        for ckpt in (False, True):
+            for m in case["microbatches"]:
+                rec = zplan.LayoutRecord(
+                    world=case["world"],
+                    batch_size=case["batch"],
+                    mixed_precision="bf16",
+                    pp_microbatches=m,
+                    checkpoint_activations=ckpt,
+                    **case["published"],
+                )
+                if zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied):
+                    continue
+                p = zplan.predict(rec, costs, profile, skew=skew)
+                if best_pub is None or (p.fits, -p.step_s) > (best_pub[1].fits, -best_pub[1].step_s):
+                    best_pub = (rec, p)
+        rec, p = best_pub
+        position = next(i for i, (r, _) in enumerate(ranked, 1) if r == rec)
+        fitting = sum(1 for _, q in ranked if q.fits)
+        tok_gpu = p.tokens_per_s / case["world"]
+        res = dict(
+            layout=rec.label(),
+            predicted_tokens_per_gpu=tok_gpu,
+            published_tokens_per_gpu=published,
+            ratio=tok_gpu / published,
+            predicted_tflops_per_gpu=tok_gpu * flops / 1e12,
+            published_tflops_per_gpu=published * flops / 1e12,
+            memory_gb=p.memory_bytes / 1e9,
+            memory_parts_gb={k: v / 1e9 for k, v in p.memory_parts.items()},
+            fits=p.fits,
+            bubble=p.bubble,
+            time_parts=p.time_parts,
+            rank=position,
+            layouts=len(ranked),
+            layouts_fitting=fitting,
+            best=[(r.label(), q.tokens_per_s / case["world"], q.memory_bytes / 1e9) for r, q in ranked[:5]],
+            search_s=elapsed,
+        )
+        out[name] = res
+        print(f"\n{name} ({profile.name}, skew {skew}): published layout {rec.label()}")
+        print(
+            f"  predicted {tok_gpu:,.0f} tokens/s per GPU ({res['predicted_tflops_per_gpu']:.0f} TFLOP/s model), "
+            f"published {published:,.0f} ({res['published_tflops_per_gpu']:.0f}): ratio {res['ratio']:.2f}"
+        )
+        print(
+            f"  memory {res['memory_gb']:.1f} GB per GPU ({'fits' if p.fits else 'does NOT fit'} in "
+            f"{profile.device_memory_bytes / 1e9:.0f}), bubble {p.bubble:.2f}; "
+            + ", ".join(f"{k} {v:.1f}" for k, v in res["memory_parts_gb"].items())
+        )
+        print(
+            f"  rank {position} of {len(ranked)} layouts searched ({fitting} fit) in {elapsed:.0f} s; planner's top 5 "
+            "(tokens/s per GPU, GB):"
+        )
+        for label, t, g in res["best"]:
+            print(f"    {label}: {t:,.0f}, {g:.1f}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab"])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--quick", action="store_true", help=f"(a): {len(QUICK)} of the {len(LAYOUTS)} layouts")
+    ap.add_argument("--skew", type=float, default=1.5, help="(b): dropless experts' worst rows over the mean")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    results = {}
+    if "a" in a.part:
+        print(
+            "| ranks | layout | background load | predicted s/step | measured s/step | error "
+            "| predicted model states (MB) | measured (MB) |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        results["a"] = part_a(a.steps, a.quick)
+    if "b" in a.part:
+        results["b"] = part_b(a.skew)
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1, default=lambda o: dataclasses.asdict(o)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
