@@ -98,17 +98,15 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import experiments.schema  # noqa: F401  (the schemas and the ${div:} resolver)
+    import experiments.training.schema  # noqa: F401  (the schemas and the ${div:} resolver)
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose("train", overrides=list(overrides))
 
 
 def _model_config(cfg):
-    try:  # the trainer is moving to experiments/training/
-        from experiments.training.train import model_config
-    except ImportError:
-        from experiments.train import model_config
+    from experiments.training.schema import model_config
+
     return model_config(cfg)
 
 

@@ -42,30 +42,9 @@ MODEL = [
 ]
 
 
-def _trainer(name: str):
-    """The trainer's function ``name``, read where it lives: experiments/training/ once the trainer
-    moves there, experiments/train.py until then."""
-    for mod in (
-        "experiments.training.checks",
-        "experiments.training.train",
-        "experiments.training",
-        "experiments.train",
-    ):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        for n in (name, name.lstrip("_")):
-            if hasattr(m, n):
-                return getattr(m, n)
-    raise ImportError(f"no trainer module has {name}")
-
-
-check_train_cfg = _trainer("_check_train_cfg")
-build_plan = _trainer("build_plan")
-build_engine = _trainer("build_engine")
-build_model = _trainer("build_model")
-model_config = _trainer("model_config")
+from experiments.training.build import build_engine, build_model, build_plan  # noqa: E402
+from experiments.training.checks import check_parallel, check_train  # noqa: E402
+from experiments.training.schema import model_config  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -91,18 +70,20 @@ def _key(r: zplan.LayoutRecord) -> tuple:
 
 def trainer_accepted(s, world: int) -> set[tuple]:
     """Brute force over a grid wider than any valid value: what the trainer's own checks accept
-    (validate_layout as Layout.build calls it under torchrun, build_plan, _check_train_cfg,
+    (validate_layout as Layout.build calls it under torchrun, build_plan, check_train,
     build_engine's offload rule, the model's keep_layers for every pipeline rank)."""
     cfg = s.cfg.copy()
     L, E = s.costs.num_layers, 6
     layouts = {(pp, ep) for pp in range(1, world + 2) for ep in range(1, world + 2)}
     layouts = {(pp, ep) for pp, ep in layouts if not _refused(lambda: validate_layout(world, pp, ep, E))}
-    # (stage, offload) pairs build_engine accepts, on one process (the rule does not depend on the layout)
+    # (stage, offload) pairs the trainer's checks and build_engine accept, on one process (the rule
+    # does not depend on the layout)
     engines = set()
     for stage, off in itertools.product(range(4), (False, True)):
         c = cfg.copy()
         c.parallel.zero_stage, c.parallel.zero_offload = stage, off
         try:
+            check_parallel(c.parallel, SimpleNamespace(pp=int(c.parallel.pp)))
             build_engine(c, s.model, Layout.single()).remove_hooks()
             engines.add((stage, off))
         except ValueError:
@@ -122,7 +103,7 @@ def trainer_accepted(s, world: int) -> set[tuple]:
             if any(_refused(lambda rr=rr: s.model.keep_layers(rr)) for rr in ranges):
                 continue
             pipes[pp].append(((sched, v, m), plan))
-    train_ok = {}  # _check_train_cfg depends on dp, grad_accum and the micro-batches only
+    train_ok = {}  # check_train depends on dp, grad_accum and the micro-batches only
     out = set()
     for (pp, ep), ga in itertools.product(layouts, range(1, BATCH + 2)):
         dp = world // pp
@@ -131,7 +112,7 @@ def trainer_accepted(s, world: int) -> set[tuple]:
         for pipe, plan in pipes[pp]:
             key = (dp, ga, None if plan is None else plan.microbatches)
             if key not in train_ok:
-                train_ok[key] = not _refused(lambda: check_train_cfg(c, SimpleNamespace(dp=dp), plan))
+                train_ok[key] = not _refused(lambda: check_train(c.train, SimpleNamespace(dp=dp), plan))
             if not train_ok[key]:
                 continue
             for (stage, off), ckpt in itertools.product(engines, (False, True)):
@@ -168,7 +149,7 @@ def test_every_listed_layout_passes_the_trainer_through_its_own_overrides(settin
         plan = build_plan(cfg)
         assert (plan is None) == (r.pp == 1)
         assert validate_layout(world, int(cfg.parallel.pp), int(cfg.parallel.ep), 6) == r.dp
-        check_train_cfg(cfg, SimpleNamespace(dp=r.dp), plan)
+        check_train(cfg.train, SimpleNamespace(dp=r.dp), plan)
         if plan is not None:
             assert plan.microbatches == r.pp_microbatches and plan.virtual == r.pp_virtual_stages
             for rank in range(r.pp):

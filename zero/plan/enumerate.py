@@ -3,7 +3,7 @@
 The rules are the trainer's own, by the same functions: ``zero.layout.validate_layout`` (world =
 pp x dp, ep dividing dp and the number of experts), ``zero.pipeline.plan_pipeline`` (schedules,
 virtual stages, micro-batches, layers per stage), the batch divisibility of
-``experiments.train._check_train_cfg`` (the global batch splits evenly over dp x grad_accum x
+``experiments.training.checks`` (the global batch splits evenly over dp x grad_accum x
 micro-batches), offload only with ZeRO >= 1 (``experiments.train.build_engine``) and tied
 embeddings only where the embedding and the head land on one pipeline rank
 (``moe.model.Transformer.keep_layers``). The tests check the two agree, both ways.
