@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from experiments.training import schema
 from moe import MoEConfig
 from moe.model import TransformerConfig
+from tests.support.paths import NOT_GROUPS
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -25,7 +26,7 @@ CONF = ROOT / "conf"
 GROUPS = sorted(
     p.name
     for p in CONF.iterdir()
-    if p.is_dir() and not p.name.startswith("_") and p.name not in ("experiment", "hydra")
+    if p.is_dir() and not p.name.startswith("_") and p.name not in ("experiment", "hydra", *NOT_GROUPS)
 )
 
 
