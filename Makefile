@@ -17,7 +17,7 @@ lint:
 test: install lint
 	$(PYTHON) -m pytest -q tests
 
-# the single-process suite (no gloo ranks, no torchrun agents): about 2 minutes on 2 cores
+# the single-process suite: no test that starts another process (gloo ranks, torchrun, a fresh interpreter)
 test-fast: install lint
 	$(PYTHON) -m pytest -q -m "not distributed" tests
 
