@@ -104,7 +104,7 @@ def test_calibrate_writes_a_profile_that_loads(tmp_path):
     assert proc.returncode == 0, proc.stderr
     p = zplan.load_profile(out)
     assert p.name == "here" and p.memory_bandwidth > 0 and p.op_overhead_s > 0
-    assert all(rate > 0 for rows in p.matmul_flops.values() for _, rate in rows)
+    assert all(len(row) == 4 and row[-1] > 0 for rows in p.matmul_flops.values() for row in rows)
     assert p.collectives == zplan.load_profile("cpu_2core").collectives  # from --base: not measured here
 
 
