@@ -489,7 +489,8 @@ def run_calibrate(argv: list[str]) -> int:
         )
         d["host_memory_bytes"] = float(mem)
         d["background_load"] = background_load(cores, 0.5 if a.quick else 2.0)
-        sources["background_load"] = "busy processes of other work: cores / (a busy thread's share of a core) - 1"
+        sources["background_load"] = "other work in busy processes: cores / (a busy process's share of a core) - cores"
+        sources["expert_kernel"] = "the CPU's routed-expert kernel (routing_kernels.cpu_experts)"
         sources["device_memory_bytes"] = "os.sysconf: the host's memory, shared by its ranks"
         sources["node_size"] = "every local rank is in one node (one host; gloo over loopback)"
         sources["compute_slots"] = "os.cpu_count(): ranks beyond it share cores"
