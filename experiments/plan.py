@@ -290,17 +290,28 @@ def _dispatched(fn) -> int:
     return Count.n
 
 
-def background_load(cores: int, seconds: float = 2.0) -> float:
-    """Other work on this host in busy processes: a busy thread's share s of a core (process time
-    over wall time) is cores / (1 + load) when below 1."""
-    import torch
+_BUSY = (
+    "import time\n"
+    "w, c, x = time.perf_counter(), time.process_time(), 0\n"
+    "while time.perf_counter() - w < {s}:\n"
+    "    x += 1\n"
+    "print((time.process_time() - c) / (time.perf_counter() - w))\n"
+)
 
-    a = torch.randn(256, 256)
-    wall, cpu = time.perf_counter(), time.process_time()
-    while time.perf_counter() - wall < seconds:
-        a @ a
-    share = (time.process_time() - cpu) / (time.perf_counter() - wall)
-    return max(0.0, cores / share - 1) if share < 0.95 else 0.0
+
+def background_load(cores: int, seconds: float = 2.0) -> float:
+    """Other work on this host, in busy processes: ``cores`` busy processes each get a share
+    s = cores / (cores + load) of a core (process time over wall time), so load = cores / s - cores.
+    Processes, not threads: threads of one interpreter would also wait for each other's lock."""
+    import subprocess
+
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _BUSY.format(s=seconds)], stdout=subprocess.PIPE, text=True)
+        for _ in range(cores)
+    ]
+    shares = [float(p.communicate()[0]) for p in procs]
+    share = min(1.0, sum(shares) / len(shares))
+    return max(0.0, cores / share - cores)
 
 
 def measure_device(device: str, quick: bool = False) -> dict:
@@ -476,7 +487,8 @@ def run_calibrate(argv: list[str]) -> int:
         )
         d["host_memory_bytes"] = float(mem)
         d["background_load"] = background_load(cores, 0.5 if a.quick else 2.0)
-        sources["background_load"] = "busy processes of other work: cores / (a busy thread's share of a core) - 1"
+        sources["background_load"] = "other work in busy processes: cores / (a busy process's share of a core) - cores"
+        sources["expert_kernel"] = "the CPU's routed-expert kernel (routing_kernels.cpu_experts)"
         sources["device_memory_bytes"] = "os.sysconf: the host's memory, shared by its ranks"
         sources["node_size"] = "every local rank is in one node (one host; gloo over loopback)"
         sources["compute_slots"] = "os.cpu_count(): ranks beyond it share cores"

@@ -3,14 +3,17 @@ layout on gloo ranks, against ``zero.plan``'s step time and model-state memory o
 ``cpu_2core`` profile; (b) on paper: two published large runs against the planner on vendor
 profiles.
 
-    python -m experiments.bench.plan [--part a|b|ab] [--steps 6] [--quick] [--out results.json]
+    python -m experiments.bench.plan [--part a|b|ab] [--steps 6] [--rounds 2] [--quick] [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
 ``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a time
 through ``tests.support.dist.run_distributed`` (the trainer's ``train`` on each rank, one intra-op
 thread per rank, as torchrun's ``OMP_NUM_THREADS=1``): dp, ep, ZeRO 1-3, offload, pipelines under
 three schedules, accumulation, checkpointing. Measured step time: the median over the steps after
-the first two of each step's time (``metrics.jsonl``'s tokens_per_s per step; validation excluded).
+the first two of each step's time (``metrics.jsonl``'s tokens_per_s per step; validation excluded),
+averaged over ``--rounds`` runs of the layout made round robin (minutes apart). The machine is
+shared: its other work's load (``background_load``, in busy processes) is measured for 2 s before
+each run and the prediction made with it.
 Measured model-state bytes: ``zero.measure_memory`` of the engine after the last step's gradient
 reduction (the largest over the ranks). Printed: each layout's predicted and measured step time
 and memory, the mean absolute error in percent and Spearman's rank correlation of the step times,
@@ -118,7 +121,7 @@ def _spearman(a, b) -> float:
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
-def part_a(steps: int, quick: bool) -> dict:
+def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
     import os
 
     from experiments.plan import background_load, compose, costs_of
@@ -127,60 +130,80 @@ def part_a(steps: int, quick: bool) -> dict:
     shipped = zplan.load_profile("cpu_2core")
     cfg = compose(BASE)
     costs = costs_of(cfg, shipped)
-    rows = []
+    tokens = int(cfg.train.batch_size) * int(cfg.train.seq_len)
     chosen = [LAYOUTS[i] for i in QUICK] if quick else LAYOUTS
+    recs = []
     for world, fields in chosen:
         rec = zplan.LayoutRecord(world=world, batch_size=int(cfg.train.batch_size), **fields)
         problem = zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied)
         if problem:
             raise ValueError(f"{rec.label()}: {problem}")
-        # the machine is shared and its other work comes and goes: the profile's background
-        # load is measured again just before each run (the rest of the profile is the shipped one)
-        profile = dataclasses.replace(shipped, background_load=background_load(os.cpu_count() or 1, 1.0))
-        pred = zplan.predict(rec, costs, profile)
-        overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
-            mem = run_distributed(_rank_fn, world, overrides, str(Path(tmp) / "run"), timeout=900)
-            wall = time.perf_counter() - t0
-            lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
-        per_step = [json.loads(x) for x in lines]
-        tokens = int(cfg.train.batch_size) * int(cfg.train.seq_len)
-        times = [tokens / r["tokens_per_s"] for r in per_step][2:]  # the first two steps warm up
-        measured = statistics.median(times)
-        row = dict(
-            world=world,
-            layout=rec.label(),
-            overrides=rec.overrides(),
-            predicted_s=pred.step_s,
-            measured_s=measured,
-            step_times=times,
-            predicted_model_states=pred.memory_parts["model_states"],
-            measured_model_states=max(mem),
-            predicted_peak=pred.memory_bytes,
-            background_load=profile.background_load,
-            wall_s=wall,
-        )
-        rows.append(row)
-        print(
-            f"| {world} | {rec.label()} | {profile.background_load:.1f} | {pred.step_s:.3f} | {measured:.3f} | "
-            f"{abs(pred.step_s - measured) / measured:.0%} | {row['predicted_model_states'] / 1e6:.3f} | "
-            f"{row['measured_model_states'] / 1e6:.3f} |",
-            flush=True,
+        recs.append(rec)
+    runs: dict[int, list[dict]] = {i: [] for i in range(len(recs))}
+    # round robin: each layout's runs lie minutes apart, under whatever the neighbours run then
+    for rnd in range(rounds):
+        for i, rec in enumerate(recs):
+            # the machine is shared and its other work comes and goes: the profile's background
+            # load is measured just before each run (the rest of the profile is the shipped one)
+            profile = dataclasses.replace(shipped, background_load=background_load(os.cpu_count() or 1, 2.0))
+            pred = zplan.predict(rec, costs, profile)
+            overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.perf_counter()
+                mem = run_distributed(_rank_fn, rec.world, overrides, str(Path(tmp) / "run"), timeout=900)
+                wall = time.perf_counter() - t0
+                lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+            times = [tokens / json.loads(x)["tokens_per_s"] for x in lines][2:]  # the first two warm up
+            run = dict(
+                predicted_s=pred.step_s,
+                measured_s=statistics.median(times),
+                step_times=times,
+                background_load=profile.background_load,
+                predicted_model_states=pred.memory_parts["model_states"],
+                measured_model_states=max(mem),
+                predicted_peak=pred.memory_bytes,
+                wall_s=wall,
+            )
+            runs[i].append(run)
+            print(
+                f"| {rnd + 1} | {rec.world} | {rec.label()} | {run['background_load']:.1f} | {pred.step_s:.3f} "
+                f"| {run['measured_s']:.3f} | {abs(pred.step_s - run['measured_s']) / run['measured_s']:.0%} "
+                f"| {run['predicted_model_states'] / 1e6:.3f} | {run['measured_model_states'] / 1e6:.3f} |",
+                flush=True,
+            )
+    rows = []
+    for i, rec in enumerate(recs):
+        rs = runs[i]
+        rows.append(
+            dict(
+                world=rec.world,
+                layout=rec.label(),
+                overrides=rec.overrides(),
+                runs=rs,
+                predicted_s=statistics.mean(r["predicted_s"] for r in rs),
+                measured_s=statistics.mean(r["measured_s"] for r in rs),
+                predicted_model_states=rs[0]["predicted_model_states"],
+                measured_model_states=max(r["measured_model_states"] for r in rs),
+            )
         )
     p = np.array([r["predicted_s"] for r in rows])
     m = np.array([r["measured_s"] for r in rows])
     pm = np.array([r["predicted_model_states"] for r in rows])
     mm = np.array([r["measured_model_states"] for r in rows])
+    # how well the machine repeats itself: one layout's runs against their mean
+    spread = [np.std([r["measured_s"] for r in row["runs"]]) / row["measured_s"] for row in rows] if rounds > 1 else [0]
     summary = dict(
         layouts=len(rows),
+        rounds=rounds,
         step_mae_pct=float(np.mean(np.abs(p - m) / m) * 100),
         step_spearman=_spearman(p, m),
+        repeat_spread_pct=float(np.mean(spread) * 100),
         model_states_max_rel_err=float(np.max(np.abs(pm - mm) / mm)),
     )
     print(
-        f"\n{summary['layouts']} layouts: step time MAE {summary['step_mae_pct']:.1f}%, Spearman rho "
-        f"{summary['step_spearman']:.2f}; model-state bytes within "
+        f"\n{summary['layouts']} layouts x {rounds} runs (each the mean of its runs): step time MAE "
+        f"{summary['step_mae_pct']:.1f}%, Spearman rho {summary['step_spearman']:.2f}; a layout's runs spread "
+        f"{summary['repeat_spread_pct']:.0f}% (std / mean) on this shared machine; model-state bytes within "
         f"{summary['model_states_max_rel_err']:.2%} of measured"
     )
     return dict(rows=rows, summary=summary)
@@ -351,6 +374,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", default="ab", choices=["a", "b", "ab"])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2, help="(a): runs of each layout, round robin")
     ap.add_argument("--quick", action="store_true", help=f"(a): {len(QUICK)} of the {len(LAYOUTS)} layouts")
     ap.add_argument("--skew", type=float, default=1.5, help="(b): dropless experts' worst rows over the mean")
     ap.add_argument("--out", default=None)
@@ -358,11 +382,11 @@ def main(argv=None) -> int:
     results = {}
     if "a" in a.part:
         print(
-            "| ranks | layout | background load | predicted s/step | measured s/step | error "
+            "| run | ranks | layout | background load | predicted s/step | measured s/step | error "
             "| predicted model states (MB) | measured (MB) |"
         )
-        print("|---|---|---|---|---|---|---|---|")
-        results["a"] = part_a(a.steps, a.quick)
+        print("|---|---|---|---|---|---|---|---|---|")
+        results["a"] = part_a(a.steps, a.quick, a.rounds)
     if "b" in a.part:
         results["b"] = part_b(a.skew)
     if a.out:

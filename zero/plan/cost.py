@@ -507,7 +507,7 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
             parts["a2a_buffers"] = max(2 * cst.rows(b)[1] * b.row_bytes for b in moe_layers)
         work = [blocks[j].transient_bytes * T for j in layers]
         if ckpt:
-            work = [w + blocks[j].act_bytes * T + extra_rows_ckpt(cst, blocks[j]) for w, j in zip(work, layers)]
+            work = [w + blocks[j].act_bytes * T + _extra_rows_ckpt(cst, blocks[j]) for w, j in zip(work, layers)]
         parts["workspace"] = max(work, default=0.0)
         per_rank.append((sum(parts.values()), parts, ms["host_total"], count))
     mem, parts, host, _ = max(per_rank, key=lambda x: x[0])
@@ -571,12 +571,14 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
     norm = cst.coll("all_reduce", 8, list(range(rec.dp))) + cst.coll("all_reduce", 8, list(range(0, rec.world, rec.dp)))
     ends = [finish[r] + reduce_after[r] + opt[r] + post[r] for r in range(len(finish))]
     step = max(ends) + norm
+    # the busiest rank's share of each, per step
+    passes = rec.grad_accum * rec.microbatches
     tp.update(
-        reduction=max(reduce_after) if plan is not None else sum(red),
+        reduction=max(sum(red[j] for j in layers) for layers in rank_layers),
         optimizer=max(opt),
         weight_gather=max(post),
-        gathers=sum(gath) * (1 if plan is not None else 2 * rec.grad_accum),
-        moe_comm=sum(m["F"] + m["I"] for m in moe) * rec.grad_accum * rec.microbatches,
+        gathers=max(sum(gath[j] for j in layers) for layers in rank_layers) * (1 if plan is not None else 2 * passes),
+        moe_comm=max(sum(moe[j]["F"] + moe[j]["I"] for j in layers) for layers in rank_layers) * passes,
     )
     per_node = min(rec.world, profile.node_size)
     device = mem * (per_node if profile.memory_shared_by_node else 1)
@@ -598,7 +600,7 @@ def _is_tied(blocks, j) -> bool:
     return any(b.shares_params_with == j for b in blocks)
 
 
-def extra_rows_ckpt(cst: _Costing, b: BlockCost) -> float:
+def _extra_rows_ckpt(cst: _Costing, b: BlockCost) -> float:
     """The recomputed MoE block's rows beyond the mean load (its activations are the workspace)."""
     if not b.is_moe:
         return 0.0

@@ -1,6 +1,6 @@
 """Machine profiles: what one device computes and moves per second, read from and written to yaml.
 
-A profile (``conf/cluster/<name>.yaml``) holds per device: its memory, matmul FLOP/s by size and
+A profile (``conf/cluster/<name>.yaml``) holds per device: its memory, matmul FLOP/s by shape and
 dtype, memory bandwidth, the host link and host optimizer rate (ZeRO-Offload), and for each link
 tier (``intra``: inside a node of ``node_size`` devices, ``inter``: across nodes) an α-β cost of
 each collective. Time of a collective over n ranks moving S bytes (Hockney's model with the ring
