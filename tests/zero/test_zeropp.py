@@ -183,6 +183,9 @@ CURVE_CONFIGS = {  # name: (steps, options)
     "qgz4": (CURVE_STEPS, {"qgz": True, "qgz_bits": 4}),
     "zeropp": (CURVE_STEPS, {"hpz": True, "qwz": True, "qgz": True}),
     "qgz8": (1, {"qgz": True, "qgz_bits": 8}),  # its first-step gradient only
+    # stages 1 and 2 reduce the same local gradients through the same exchange as stage 3
+    "qgz4_stage1": (1, {"stage": 1, "qgz": True}),
+    "qgz4_stage2": (1, {"stage": 2, "qgz": True}),
 }
 
 
@@ -536,6 +539,15 @@ def test_quantized_first_step_gradients(curves, name):
         curves[0]["qgz8"]["grads"], curves[0]["fp32"]["grads"]
     )
     assert 127 / 7 / 1.5 < ratio < 127 / 7 * 1.5, ratio
+
+
+@pytest.mark.distributed
+def test_qgz_stages_1_2_reduce_as_stage_3(curves):
+    for out in curves:
+        want = out["qgz4"]["grads"]
+        for name in ("qgz4_stage1", "qgz4_stage2"):
+            got = out[name]["grads"]
+            assert all(torch.equal(got[n], want[n]) for n in want), name
 
 
 @pytest.mark.distributed
