@@ -38,6 +38,7 @@ those of ``zero.checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -150,8 +151,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class CommCounter:
     """The engine's collectives, counted (see the module docstring). ``current``: the step in
-    progress; ``last``: the last closed step; ``setup``: the construction's. Each maps a label to
-    ``[intra, inter]`` bytes."""
+    progress; ``last``: the last closed step; ``setup``: the construction's; ``asides``: what ran
+    inside ``aside()``. Each maps a label to ``[intra, inter]`` bytes."""
 
     def __init__(self, node_size: int = 1, rank: int = 0):
         if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
@@ -161,6 +162,7 @@ class CommCounter:
         self.current: dict[str, list[int]] = {}
         self.last: dict[str, list[int]] = {}
         self.setup: dict[str, list[int]] = {}
+        self.asides: dict[str, list[int]] = {}
         self._tiers: dict[int, tuple[object, Tiers]] = {}
 
     @classmethod
@@ -184,6 +186,16 @@ class CommCounter:
         entry = self.current.setdefault(label, [0, 0])
         entry[0] += intra
         entry[1] += inter
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Count the collectives inside into ``asides`` instead of the step in progress: an
+        evaluation's forward between optimizer steps (stage 3 gathers for it) is no part of a step."""
+        saved, self.current = self.current, self.asides
+        try:
+            yield
+        finally:
+            self.asides, self.current = self.current, saved
 
     def end_setup(self) -> None:
         self.setup, self.current = self.current, {}

@@ -209,7 +209,8 @@ class FlatGroup:
                 )
                 self.gather_handle = Pending(work)
             return
-        keep = (self._keep_secondary,) if self.hpz else ()
+        # the secondary serves a backward: a forward without autograd (evaluation) leaves none behind
+        keep = (self._keep_secondary,) if self.hpz and torch.is_grad_enabled() else ()
         if self.zpp.qwz:
             pending = quantized_all_gather(
                 self.full_P, self.shard_C, self.group, self.zpp.block, self.comm, "param_gather"
