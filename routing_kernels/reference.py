@@ -265,16 +265,16 @@ def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 256) -> tupl
     if not x.is_floating_point():
         raise ValueError(f"quantize_blockwise takes a floating-point tensor, got {x.dtype}")
     qmax = 2 ** (bits - 1) - 1
-    x_Rn, n = as_rows(x)
+    x2d, n = as_rows(x)
     nb = -(-n // block)
-    xf = x_Rn.float()
+    xf = x2d.float()
     if nb * block != n:
         xf = nnf.pad(xf, (0, nb * block - n))
-    xb = xf.view(x_Rn.shape[0], nb, block)
-    scale = xb.abs().amax(dim=-1) / qmax if nb else xb.new_zeros(x_Rn.shape[0], 0)
+    xb = xf.view(x2d.shape[0], nb, block)
+    scale = xb.abs().amax(dim=-1) / qmax if nb else xb.new_zeros(x2d.shape[0], 0)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: q = 0, no 0/0
     q = torch.round(xb / safe.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
-    q = q.view(x_Rn.shape[0], nb * block)[:, :n].reshape(x.shape)
+    q = q.view(x2d.shape[0], nb * block)[:, :n].reshape(x.shape)
     return q, scale.reshape(tuple(x.shape[:-1]) + (nb,))
 
 
@@ -283,18 +283,18 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """``q * scale`` (in fp32, then cast to ``dtype``) for ``quantize_blockwise``'s output."""
     check_quant_args(8, block)
-    q_Rn, n = as_rows(q)
+    q2d, n = as_rows(q)
     nb = -(-n // block)
     want = tuple(q.shape[:-1]) + (nb,)
     if tuple(scales.shape) != want:
         raise ValueError(
             f"scales has shape {tuple(scales.shape)}; q of shape {tuple(q.shape)} in blocks of {block} needs {want}"
         )
-    qf = q_Rn.float()
+    qf = q2d.float()
     if nb * block != n:
         qf = nnf.pad(qf, (0, nb * block - n))
-    out = qf.view(q_Rn.shape[0], nb, block) * scales.reshape(q_Rn.shape[0], nb, 1).float()
-    return out.view(q_Rn.shape[0], nb * block)[:, :n].reshape(q.shape).to(dtype)
+    out = qf.view(q2d.shape[0], nb, block) * scales.reshape(q2d.shape[0], nb, 1).float()
+    return out.view(q2d.shape[0], nb * block)[:, :n].reshape(q.shape).to(dtype)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

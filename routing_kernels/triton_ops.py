@@ -635,14 +635,14 @@ def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 256):
     if x.dtype not in _ROW_DTYPES:
         raise ValueError(f"quantize_blockwise takes float32, bfloat16 or float16, got {x.dtype}")
     _check_device(x)
-    x_Rn, n = as_rows(x)
-    x_Rn = x_Rn.contiguous()
+    x2d, n = as_rows(x)
+    x2d = x2d.contiguous()
     nb = -(-n // block)
-    q = torch.empty(x_Rn.shape, dtype=torch.int8, device=x.device)
-    scales = torch.empty(x_Rn.shape[0], nb, dtype=torch.float32, device=x.device)
+    q = torch.empty(x2d.shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty(x2d.shape[0], nb, dtype=torch.float32, device=x.device)
     if q.numel():
-        _quantize_blockwise_kernel[(x_Rn.shape[0] * nb,)](
-            x_Rn, q, scales, n, nb, block, float(2 ** (bits - 1) - 1), BLOCK=triton.next_power_of_2(block)
+        _quantize_blockwise_kernel[(x2d.shape[0] * nb,)](
+            x2d, q, scales, n, nb, block, float(2 ** (bits - 1) - 1), BLOCK=triton.next_power_of_2(block)
         )
     return q.reshape(x.shape), scales.reshape(tuple(x.shape[:-1]) + (nb,))
 
@@ -655,8 +655,8 @@ def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, block: int = 256
     if dtype not in _ROW_DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     _check_device(q, scales)
-    q_Rn, n = as_rows(q)
-    q_Rn = q_Rn.contiguous()
+    q2d, n = as_rows(q)
+    q2d = q2d.contiguous()
     nb = -(-n // block)
     want = tuple(q.shape[:-1]) + (nb,)
     if tuple(scales.shape) != want:
@@ -664,9 +664,9 @@ def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, block: int = 256
             f"scales has shape {tuple(scales.shape)}; q of shape {tuple(q.shape)} in blocks of {block} needs {want}"
         )
     s = scales.reshape(-1).to(torch.float32).contiguous()
-    out = torch.empty(q_Rn.shape, dtype=dtype, device=q.device)
+    out = torch.empty(q2d.shape, dtype=dtype, device=q.device)
     if out.numel():
-        _dequantize_blockwise_kernel[(q_Rn.shape[0] * nb,)](
-            q_Rn, s, out, n, nb, block, BLOCK=triton.next_power_of_2(block)
+        _dequantize_blockwise_kernel[(q2d.shape[0] * nb,)](
+            q2d, s, out, n, nb, block, BLOCK=triton.next_power_of_2(block)
         )
     return out.reshape(q.shape)

@@ -280,7 +280,7 @@ class FlatGroup:
             if self.grad_shard_C is None:
                 self.grad_shard_C = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
             out = self.grad_shard_C
-        if self.qgz:  # qgZ reads the whole local gradient into its send buffer before writing out
+        if self.qgz:  # qgZ has read all of the local gradient before it writes out (stage 1's lies inside it)
             return quantized_reduce_scatter(
                 out,
                 self.grad_full_P,

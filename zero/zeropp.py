@@ -116,19 +116,20 @@ def row_bytes(m: int, bits: int, block: int) -> int:
     return _value_bytes(m, bits) + 4 * (-(-m // block))
 
 
-def pack_rows(x_Rm: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """``[R, m]`` floats -> ``[R, row_bytes(m)]`` uint8: each row quantized in its own blocks."""
-    q, s = quantize_blockwise(x_Rm, bits, block)
+def pack_rows(rows: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """``rows`` (2-D floats, m per row) -> uint8, ``row_bytes(m)`` per row: each row quantized in its
+    own blocks, so each row is one destination's self-contained message."""
+    q, s = quantize_blockwise(rows, bits, block)
     values = pack_int4(q) if bits == 4 else q.view(torch.uint8)
     return torch.cat([values, s.view(torch.uint8)], dim=1)
 
 
-def unpack_rows(buf_Rb: torch.Tensor, m: int, bits: int, block: int, dtype=torch.float32) -> torch.Tensor:
-    """``pack_rows``'s inverse: ``[R, m]`` dequantized in ``dtype``."""
+def unpack_rows(buf: torch.Tensor, m: int, bits: int, block: int, dtype=torch.float32) -> torch.Tensor:
+    """``pack_rows``'s inverse: the rows' m values each, dequantized in ``dtype``."""
     vb = _value_bytes(m, bits)
-    values = buf_Rb[:, :vb]
+    values = buf[:, :vb]
     q = unpack_int4(values, m) if bits == 4 else values.view(torch.int8)
-    scales = buf_Rb[:, vb:].contiguous().view(torch.float32)
+    scales = buf[:, vb:].contiguous().view(torch.float32)
     return dequantize_blockwise(q, scales, block, dtype)
 
 
@@ -162,10 +163,10 @@ def quantized_reduce_scatter(
     ``wait()`` finishes it and runs the inter-node one (see the module docstring)."""
     n, k = split
     C = out_C.numel()
-    x_nkC = grad_P.view(n, k, C)
+    chunks = grad_P.view(n, k, C)  # chunk [a, b]: the shard of the member at position b of node a
     state = {}
     if k > 1:
-        send = pack_rows(x_nkC.transpose(0, 1).reshape(k, n * C), bits, block)
+        send = pack_rows(chunks.transpose(0, 1).reshape(k, n * C), bits, block)
         recv = torch.empty_like(send)
         work = comm.all_to_all(recv, send, intra, label="grad_reduce_intra", async_op=True)
         state["recv"] = recv
@@ -174,16 +175,16 @@ def quantized_reduce_scatter(
 
     def finish():
         if k > 1:
-            part_nC = unpack_rows(state.pop("recv"), n * C, bits, block).sum(0).view(n, C)
+            part = unpack_rows(state.pop("recv"), n * C, bits, block).sum(0).view(n, C)
         else:
-            part_nC = x_nkC.reshape(n, C).float()
+            part = chunks.reshape(n, C).float()
         if n > 1:
-            send2 = pack_rows(part_nC, bits, block)
+            send2 = pack_rows(part, bits, block)
             recv2 = torch.empty_like(send2)
             comm.all_to_all(recv2, send2, inter, label="grad_reduce_inter")
-            total_C = unpack_rows(recv2, C, bits, block).sum(0)
+            total = unpack_rows(recv2, C, bits, block).sum(0)
         else:
-            total_C = part_nC[0]
-        out_C.copy_(total_C)
+            total = part[0]
+        out_C.copy_(total)
 
     return Pending(work, finish)
