@@ -617,3 +617,22 @@ def test_quantized_curves_follow_fp32(curves, name):
     for out in curves[1:]:  # every rank reports the same dp-mean loss
         assert out[name]["losses"] == got
     assert base[-1] < 0.2 * base[0]  # the task is learnt
+
+
+# --- the benchmark's on-paper model ---------------------------------------------------------
+
+
+def test_bench_paper_model():
+    from experiments.bench.zeropp import contenders, paper_step_times
+
+    names = list(contenders())
+    assert names[0] == "ZeRO-3" and len(names) == len(set(names)) == 12  # 8 combinations, qgZ at 4 and 8 bits
+    t = paper_step_times(18e9, 40, 1024)
+    (c3, z3), (cp, zp) = t["ZeRO-3"], t["ZeRO++"]
+    assert c3 == cp == 8 * 18e9 * 1024 / 62.5e12
+    assert zp < z3 / 2
+    # with free links inside the node and no latency, the model's communication is the inter-node
+    # bytes alone: 4x fewer, up to the scales (8 bytes per 256 elements over 1.5 bytes per element)
+    t = paper_step_times(18e9, 40, 1024, intra_gbs=1e12, alpha_inter_us=0, alpha_intra_us=0)
+    ratio = t["ZeRO-3"][1] / t["ZeRO++"][1]
+    assert 4 / (1 + 8 / 256 / 1.5) - 1e-3 < ratio <= 4
