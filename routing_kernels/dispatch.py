@@ -1,6 +1,7 @@
 """The one place that picks an implementation of each op.
 
-Routing ops (``routing_metadata``, ``permute``, ``unpermute_combine``) and ``fused_adamw``: Triton on
+Routing ops (``routing_metadata``, ``permute``, ``unpermute_combine``), ``fused_adamw`` and the block-wise
+quantizer (``quantize_blockwise``, ``dequantize_blockwise``; ZeRO++'s qwZ and qgZ): Triton on
 CUDA tensors, the torch reference elsewhere. Override with the environment variable
 ``SWITCHYARD_KERNELS`` (``auto``, ``triton``, ``reference``) or, in code and tests,
 ``use_backend(...)``. ``triton`` on CPU tensors runs the kernels under ``TRITON_INTERPRET=1``
@@ -118,6 +119,17 @@ def unpermute_combine(y_SD, dest_TK, weights_TK):
 def fused_adamw(param, grad, exp_avg, exp_avg_sq, **kwargs):
     impl = _triton_impl() if _use_triton(param) else reference
     return impl.fused_adamw(param, grad, exp_avg, exp_avg_sq, **kwargs)
+
+
+def quantize_blockwise(x, bits: int = 8, block: int = 256):
+    """Block-wise symmetric absmax quantization (``reference.quantize_blockwise``): ``(q_int8, scales_fp32)``."""
+    impl = _triton_impl() if _use_triton(x) else reference
+    return impl.quantize_blockwise(x, bits, block)
+
+
+def dequantize_blockwise(q, scales, block: int = 256, dtype=torch.float32):
+    impl = _triton_impl() if _use_triton(q) else reference
+    return impl.dequantize_blockwise(q, scales, block, dtype)
 
 
 def expert_backend(x: torch.Tensor, w1_XDF: torch.Tensor, w3_XDF: torch.Tensor | None, w2_XFD: torch.Tensor) -> str:

@@ -13,6 +13,8 @@ destination row is -1.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as nnf
 
@@ -225,3 +227,96 @@ def fused_adamw(
     param.addcdiv_(exp_avg, denom, value=-lr / bias1)
     if param_copy is not None:
         param_copy.copy_(param)
+
+
+# --- block-wise quantization (ZeRO++'s qwZ and qgZ) ---------------------------------------------
+
+QUANT_BITS = (4, 8)
+
+
+def check_quant_args(bits, block) -> None:
+    """Raise ValueError naming the value unless ``bits`` is 4 or 8 and ``block`` a positive int."""
+    if isinstance(bits, bool) or bits not in QUANT_BITS:
+        raise ValueError(f"bits={bits!r} is not supported: valid bit widths are {QUANT_BITS} (int4 or int8)")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block={block!r} must be a positive integer (elements sharing one scale)")
+
+
+def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` as ``[rows, n]`` over its last dimension (a 0-d tensor is one row of one)."""
+    n = x.shape[-1] if x.dim() else 1
+    return x.reshape(math.prod(x.shape[:-1]), n), n
+
+
+def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantization in blocks of ``block`` consecutive elements of the last
+    dimension (the last block of each row may be shorter). Returns ``(q, scales)``: ``q`` int8 of
+    ``x``'s shape with values in ``[-qmax, qmax]``, ``qmax = 2**(bits - 1) - 1`` (127 or 7; int4 values
+    are held one per int8, ``pack_int4`` puts two in a byte), and ``scales`` fp32 of shape
+    ``x.shape[:-1] + (ceil(x.shape[-1] / block),)``, ``scale = absmax(block) / qmax``.
+
+    ``dequantize_blockwise(q, scales, block)`` is ``q * scale``; ``q = round(x / scale)`` (half to
+    even), so per element ``|x - deq| <= scale / 2 = absmax / (2 * qmax)`` in exact arithmetic; in
+    fp32 the division and the product add at most ``2 * 2**-24 * qmax * scale`` to that, so the bound
+    tests check is ``scale / 2 * (1 + 2**-14)``. An all-zero block has scale 0 and dequantizes to
+    zeros exactly. A non-finite element makes its block's scale non-finite, so every element of the
+    block dequantizes to NaN: a NaN or inf gradient stays visible to the step's finiteness check."""
+    check_quant_args(bits, block)
+    if not x.is_floating_point():
+        raise ValueError(f"quantize_blockwise takes a floating-point tensor, got {x.dtype}")
+    qmax = 2 ** (bits - 1) - 1
+    x2d, n = as_rows(x)
+    nb = -(-n // block)
+    xf = x2d.float()
+    if nb * block != n:
+        xf = nnf.pad(xf, (0, nb * block - n))
+    xb = xf.view(x2d.shape[0], nb, block)
+    scale = xb.abs().amax(dim=-1) / qmax if nb else xb.new_zeros(x2d.shape[0], 0)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: q = 0, no 0/0
+    q = torch.round(xb / safe.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
+    q = q.view(x2d.shape[0], nb * block)[:, :n].reshape(x.shape)
+    return q, scale.reshape(tuple(x.shape[:-1]) + (nb,))
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scales: torch.Tensor, block: int = 256, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``q * scale`` (in fp32, then cast to ``dtype``) for ``quantize_blockwise``'s output."""
+    check_quant_args(8, block)
+    q2d, n = as_rows(q)
+    nb = -(-n // block)
+    want = tuple(q.shape[:-1]) + (nb,)
+    if tuple(scales.shape) != want:
+        raise ValueError(
+            f"scales has shape {tuple(scales.shape)}; q of shape {tuple(q.shape)} in blocks of {block} needs {want}"
+        )
+    qf = q2d.float()
+    if nb * block != n:
+        qf = nnf.pad(qf, (0, nb * block - n))
+    out = qf.view(q2d.shape[0], nb, block) * scales.reshape(q2d.shape[0], nb, 1).float()
+    return out.view(q2d.shape[0], nb * block)[:, :n].reshape(q.shape).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 values (int8 in ``[-8, 7]``) two to a byte along the last dimension: element ``2i`` in
+    the low nibble, ``2i + 1`` in the high one (two's complement); an odd last dimension is padded
+    with a zero. Returns uint8 of shape ``q.shape[:-1] + (ceil(q.shape[-1] / 2),)``."""
+    if q.dtype != torch.int8:
+        raise ValueError(f"pack_int4 takes int8 values, got {q.dtype}")
+    if q.shape[-1] % 2:
+        q = torch.cat([q, q.new_zeros(tuple(q.shape[:-1]) + (1,))], dim=-1)
+    u = q.view(torch.uint8) & 0xF
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_int4``'s inverse: the first ``n`` int4 values of each row, as int8."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_int4 takes uint8 bytes, got {packed.dtype}")
+    if not 2 * packed.shape[-1] - 1 <= n <= 2 * packed.shape[-1] and not (n == 0 and packed.shape[-1] == 0):
+        raise ValueError(f"{packed.shape[-1]} bytes per row hold {2 * packed.shape[-1]} int4 values, not n={n}")
+    # sign-extend each nibble: shifting it into the top of an int8 and back (arithmetic shift)
+    lo = (packed << 4).view(torch.int8) >> 4
+    hi = packed.view(torch.int8) >> 4
+    out = torch.stack([lo, hi], dim=-1).reshape(tuple(packed.shape[:-1]) + (2 * packed.shape[-1],))
+    return out[..., :n]

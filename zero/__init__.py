@@ -12,12 +12,14 @@ from .layout import (
     join_process_group,
     slurm_environment,
     validate_layout,
+    validate_node_size,
 )
 from .units import default_blocks
 
 __all__ = [
     "Layout",
     "validate_layout",
+    "validate_node_size",
     "init_distributed",
     "slurm_environment",
     "join_process_group",

@@ -84,6 +84,15 @@ themselves (a collective). After each step: ``last_grad_norm`` (what step() retu
 ``extra_finite``, flattened, the number of ranks on which it was False). ``step(...,
 skip_if_nonfinite=False)`` applies the step anyway.
 
+ZeRO++ (``zero.zeropp``; each option on its own or together, for dense and expert parameters):
+``hpz=True`` (stage 3) keeps a node-local secondary partition so the backward's gather stays inside
+the node, bit for bit the same training; ``qwz=True`` (stage 3) moves the weights' all-gathers as
+int8 with fp32 scales per ``quant_block`` elements; ``qgz=True`` (stages 1-3) reduces the
+gradients by a hierarchical quantized all-to-all (``qgz_bits`` 4 or 8), intra-node then
+inter-node. A node is ``layout.node_size`` consecutive ranks. ``comm_bytes()``: the bytes this
+rank sent in the last optimizer step, ``{"intra": ..., "inter": ...}`` per link tier, counted by
+``zero.comm``'s model at every collective the engine issues.
+
 Not supported: a block whose forward runs more than once per backward (weight sharing inside a
 block list across iterations of a loop); several backward passes per micro-batch outside
 ``no_sync()``; sparse gradients.
@@ -98,13 +107,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from routing_kernels.runtime import all_gather_into, expert_shard
+from routing_kernels.runtime import expert_shard
 
 from .admission import build_optimizer, check_elementwise, optimizer_factory, resolve_param_groups
+from .comm import CommCounter
 from .gather import GatherHooks
 from .layout import Layout
 from .reduction import GradReduction
 from .units import build_units, check_blocks, default_blocks
+from .zeropp import check_options as check_zeropp
 
 # default_blocks and check_elementwise were defined here before units and admission were split out
 __all__ = ["ZeroEngine", "default_blocks", "check_elementwise"]
@@ -147,6 +158,9 @@ class ZeroEngine(GatherHooks, GradReduction):
     and ``accumulate_param_grads(params)`` takes gradients that were assigned to ``.grad``
     directly: the pipeline uses both.
 
+    ``hpz``, ``qwz``, ``qgz``, ``qgz_bits`` (4 or 8), ``quant_block`` (elements per fp32 scale):
+    ZeRO++, see the module docstring and ``zero.zeropp``.
+
     ``engine.lr = x`` sets the lr of every optimizer group (reading it needs them equal); per-group
     learning rates go through ``engine.optimizer.param_groups`` (or a ``torch.optim.lr_scheduler``
     over ``engine.optimizer``). Every argument, the param groups and the optimizer the factory builds
@@ -174,6 +188,11 @@ class ZeroEngine(GatherHooks, GradReduction):
         prefetch: bool = True,
         sync_module_states: bool = True,
         entries: list[nn.Module] | None = None,
+        hpz: bool = False,
+        qwz: bool = False,
+        qgz: bool = False,
+        qgz_bits: int = 4,
+        quant_block: int = 256,
     ):
         # every check happens before the first collective, so a bad value stops each rank alike
         factory, entries = self._check_arguments(
@@ -191,6 +210,7 @@ class ZeroEngine(GatherHooks, GradReduction):
         blocks, module_names = check_blocks(model, blocks)
         group_of, group_options = resolve_param_groups(param_groups, named)  # param -> group index; options
         self._check_expert_counts(named, layout)
+        zpp = check_zeropp(stage, layout, hpz=hpz, qwz=qwz, qgz=qgz, qgz_bits=qgz_bits, quant_block=quant_block)
 
         self.module = model
         self.layout = layout if layout is not None else Layout.single()
@@ -208,6 +228,8 @@ class ZeroEngine(GatherHooks, GradReduction):
         self.last_step_skipped = False  # the last step() found a non-finite value and changed nothing
         self.skipped_steps = 0  # steps skipped so far
         self.last_nonfinite: list[int] = []  # per entry of the last step's extra_finite: ranks where it was False
+        self.zpp = zpp
+        self.comm = CommCounter.for_layout(self.layout)  # every collective below goes through it
 
         self.units = build_units(
             named,
@@ -219,6 +241,8 @@ class ZeroEngine(GatherHooks, GradReduction):
             compute_dtype=self.compute_dtype,
             opt_device=self.opt_device,
             offload=offload,
+            comm=self.comm,
+            zpp=zpp,
         )
         self.flats = [f for u in self.units for f in u.flats]
         self.root = next((u for u in self.units if u.is_root), None)
@@ -228,6 +252,7 @@ class ZeroEngine(GatherHooks, GradReduction):
         self._fused_step = bool(getattr(self.optimizer, "fuses_scale_and_copy", False))
 
         self._load_values(sync_module_states)  # the first collective
+        self.comm.end_setup()  # the counts per step start here
         self._init_reduction()  # gradient hooks, per-step state (zero.reduction)
         self._init_forward(entries)  # forward hooks, gather_stats (zero.gather)
 
@@ -365,7 +390,7 @@ class ZeroEngine(GatherHooks, GradReduction):
                 bad += (~torch.isfinite(t)).sum().to(self.device, torch.float32)
         for group in (self.layout.dp_group, self.layout.pp_group):
             if group is not None:
-                dist.all_reduce(bad, group=group)
+                self.comm.all_reduce(bad, group, label="inspect")
         return bad.item() == 0
 
     @property
@@ -474,6 +499,16 @@ class ZeroEngine(GatherHooks, GradReduction):
         if self.stage == 3:
             for u in self.units:
                 self._free_unit(u)
+        self.comm.end_step()
+
+    def comm_bytes(self, breakdown: bool = False) -> dict:
+        """The bytes this rank sent in the last optimizer step (from the end of the step before to
+        the end of that one), ``{"intra": ..., "inter": ...}`` by link tier (``zero.comm``'s model);
+        ``breakdown=True``: the same per label (``param_gather``, ``grad_reduce``, ...). Bytes
+        the engine's construction sent are in ``engine.comm.setup``."""
+        if breakdown:
+            return self.comm.breakdown(self.comm.last)
+        return self.comm.totals(self.comm.last)
 
     def shard_metadata(self) -> list[dict]:
         """What this rank's optimizer holds, one entry per flat group, so that shards written under
@@ -524,7 +559,7 @@ class ZeroEngine(GatherHooks, GradReduction):
                 full = master
             else:
                 full = torch.empty(f.padded, dtype=torch.float32, device=self.device)
-                all_gather_into(full, master.contiguous(), f.group)
+                self.comm.all_gather(full, master.contiguous(), f.group, label="inspect")
             for n, off, k, shape in zip(f.names, f.offsets, f.numels, f.shapes):
                 out[n] = full[off : off + k].view(shape).clone().cpu()
         return out
@@ -547,7 +582,7 @@ class ZeroEngine(GatherHooks, GradReduction):
             g = f.reduced_grad().float()
             if f.stage != 0 and f.world > 1:
                 full = torch.empty(f.padded, dtype=torch.float32, device=g.device)
-                all_gather_into(full, g.contiguous(), f.group)
+                self.comm.all_gather(full, g.contiguous(), f.group, label="inspect")
                 g = full
             for n, off, k, shape in zip(f.names, f.offsets, f.numels, f.shapes):
                 out[n] = (g[off : off + k].view(shape) / self.layout.dp).cpu()

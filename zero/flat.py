@@ -17,6 +17,11 @@ Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
   view of the compute weights when those are fp32 on that device). The optimizer (any elementwise
   ``torch.optim.Optimizer``, see ``ZeroEngine``) holds 1-D views of it, one per param group's range,
   and keeps its own state (Adam's moments, SGD's momentum) for them.
+- ``secondary``: hpZ's node-local slice of the gathered weights (P / k elements, k the group's
+  members on this node; ``zero.zeropp``), kept from a block's first gather until the weights change.
+
+Every collective goes through the engine's ``zero.comm.CommCounter`` (``comm``), which counts its
+bytes per link tier.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from routing_kernels.runtime import all_gather_into, expert_shard, group_rank, group_size, reduce_scatter_into
+from routing_kernels.runtime import expert_shard, group_rank, group_size
+
+from .comm import CommCounter
+from .zeropp import Pending, ZeroPP, quantized_all_gather, quantized_reduce_scatter
 
 
 def _free(t: torch.Tensor) -> None:
@@ -59,7 +66,26 @@ class ParamSlice:
 class FlatGroup:
     """One unit's dense or expert parameters as a flat buffer sharded over ``group``."""
 
-    def __init__(self, names, params, kind: str, group, *, stage: int, compute_dtype, opt_device, offload: bool):
+    def __init__(
+        self,
+        names,
+        params,
+        kind: str,
+        group,
+        *,
+        stage: int,
+        compute_dtype,
+        opt_device,
+        offload: bool,
+        comm: CommCounter | None = None,
+        zpp: ZeroPP | None = None,
+        tier: tuple | None = None,
+    ):
+        """``tier``: ``(intra_group, inter_group, (n, k))`` of ``group`` (``zero.Layout``'s node tier),
+        needed by hpZ and qgZ."""
+        self.comm = comm if comm is not None else CommCounter()
+        self.zpp = zpp if zpp is not None else ZeroPP()
+        self.intra_group, self.inter_group, self.split = tier if tier is not None else (None, None, None)
         self.names = list(names)
         self.params = list(params)
         self.kind = kind  # "dense" or "expert"
@@ -84,6 +110,14 @@ class FlatGroup:
         self.grad_full_P: torch.Tensor | None = None
         self.grad_shard_C: torch.Tensor | None = None
         self.gather_handle = None
+        # hpZ pays only where the group spans nodes: inside one node the secondary is the primary
+        self.hpz = self.zpp.hpz and self.sharded_params and self.split is not None and self.split[0] > 1
+        self.secondary: torch.Tensor | None = None
+        if self.hpz:
+            k = self.split[1]
+            self.secondary_numel = self.padded // k
+            self.secondary_lo = group_rank(self.intra_group) * self.secondary_numel
+        self.qgz = self.zpp.qgz and self.stage >= 1 and self.world > 1
 
     # ----- set-up -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -120,7 +154,7 @@ class FlatGroup:
             master_src_P[off : off + n].copy_(p.detach().reshape(-1))
         if sync_src_global_rank is not None and self.world > 1:
             # every replica starts from the same weights, as DDP and FSDP's sync_module_states do
-            dist.broadcast(master_src_P, src=sync_src_global_rank, group=self.group)
+            self.comm.broadcast(master_src_P, sync_src_global_rank, self.group, label="setup")
         if self.sharded_params:
             self.shard_C.copy_(master_src_P[self.lo : self.hi])
             self.full_P = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
@@ -165,7 +199,31 @@ class FlatGroup:
         if self.is_gathered() or self.gather_handle is not None:
             return
         self.full_P.untyped_storage().resize_(self.padded * self.full_P.element_size())
-        self.gather_handle = all_gather_into(self.full_P, self.shard_C, self.group, async_op=True)
+        if self.secondary is not None:  # hpZ: the node holds every slice since this step's first gather
+            if self.intra_group is None:  # the node's only member of the group keeps the whole block
+                self.full_P.copy_(self.secondary)
+                self.gather_handle = Pending()
+            else:
+                work = self.comm.all_gather(
+                    self.full_P, self.secondary, self.intra_group, label="param_gather_secondary", async_op=True
+                )
+                self.gather_handle = Pending(work)
+            return
+        # the secondary serves a backward: a forward without autograd (evaluation) leaves none behind
+        keep = (self._keep_secondary,) if self.hpz and torch.is_grad_enabled() else ()
+        if self.zpp.qwz:
+            pending = quantized_all_gather(
+                self.full_P, self.shard_C, self.group, self.zpp.block, self.comm, "param_gather"
+            )
+            pending.then.extend(keep)
+            self.gather_handle = pending
+        else:
+            work = self.comm.all_gather(self.full_P, self.shard_C, self.group, label="param_gather", async_op=True)
+            self.gather_handle = Pending(work, *keep)
+
+    def _keep_secondary(self) -> None:
+        lo = self.secondary_lo
+        self.secondary = self.full_P[lo : lo + self.secondary_numel].clone()
 
     def wait_gather(self) -> None:
         if self.gather_handle is None:
@@ -213,14 +271,27 @@ class FlatGroup:
         if self.world == 1:
             return None
         if self.stage == 0:
-            return dist.all_reduce(self.grad_full_P, group=self.group, async_op=True)
+            return self.comm.all_reduce(self.grad_full_P, self.group, label="grad_reduce", async_op=True)
         if self.stage == 1:
             # in place into this rank's slice of the full buffer (NCCL's documented in-place form,
             # recvbuff = sendbuff + rank * count; gloo copies its input first): no second buffer
-            return reduce_scatter_into(self.grad_full_P[self.lo : self.hi], self.grad_full_P, self.group, async_op=True)
-        if self.grad_shard_C is None:
-            self.grad_shard_C = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        return reduce_scatter_into(self.grad_shard_C, self.grad_full_P, self.group, async_op=True)
+            out = self.grad_full_P[self.lo : self.hi]
+        else:
+            if self.grad_shard_C is None:
+                self.grad_shard_C = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            out = self.grad_shard_C
+        if self.qgz:  # qgZ has read all of the local gradient before it writes out (stage 1's lies inside it)
+            return quantized_reduce_scatter(
+                out,
+                self.grad_full_P,
+                intra=self.intra_group,
+                inter=self.inter_group,
+                split=self.split,
+                bits=self.zpp.qgz_bits,
+                block=self.zpp.block,
+                comm=self.comm,
+            )
+        return self.comm.reduce_scatter(out, self.grad_full_P, self.group, label="grad_reduce", async_op=True)
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
@@ -256,10 +327,14 @@ class FlatGroup:
     # ----- after the optimizer ------------------------------------------------------------------
     @torch.no_grad()
     def launch_param_gather(self):
-        """Stages 1-2: every rank's updated slice back into everyone's full weights."""
+        """Stages 1-2: every rank's updated slice back into everyone's full weights. Runs after every
+        change of the weights (a step, a checkpoint load), so it also drops hpZ's secondary slice."""
+        self.secondary = None
         if self.stage in (1, 2) and self.world > 1:
             # in place: the input is this rank's slice of the output, as NCCL documents
-            return all_gather_into(self.full_P, self.full_P[self.lo : self.hi], self.group, async_op=True)
+            return self.comm.all_gather(
+                self.full_P, self.full_P[self.lo : self.hi], self.group, label="param_update_gather", async_op=True
+            )
         return None
 
     # ----- metadata -----------------------------------------------------------------------------

@@ -4,6 +4,13 @@ world = pp x dp. Within a pipeline stage, the dp ranks form dp/ep expert-paralle
 consecutive ranks; ranks at the same position of different ep groups hold the same experts and form
 an expert-data-parallel (edp) group of size dp/ep. Global rank = pp_rank * dp + dp_rank.
 
+The node tier: a node is ``node_size`` consecutive global ranks (torchrun numbers the ranks of one
+agent consecutively; ``node_size`` defaults to its ``LOCAL_WORLD_SIZE``). A dp or edp group whose
+members sit k to a node on n nodes has two sub-groups for ZeRO++ (``zero.zeropp``): its intra-node
+part (this rank's node's k members; hpZ's secondary partition, qgZ's first all-to-all) and its
+inter-node part (the n members at this rank's position on each node; qgZ's second all-to-all).
+``zero.comm`` counts every collective's bytes by the same tiers.
+
 A group of one process is ``None`` (the single-process path), never a module global: pass the layout
 (or its groups) to whoever needs them.
 """
@@ -42,6 +49,29 @@ def validate_layout(world: int, pp: int = 1, ep: int = 1, num_experts: int | Non
     return dp
 
 
+def validate_node_size(world: int, node_size, source: str = "node_size") -> int:
+    """Check a node size before any collective; ``source`` names where it came from."""
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+        raise ValueError(f"{source}={node_size!r} must be a positive integer: the ranks of one node")
+    if world % node_size:
+        valid = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(
+            f"{source}={node_size} does not divide the world size {world}: a node is node_size consecutive "
+            f"ranks, so valid node sizes are the divisors of {world}: {valid}"
+        )
+    return node_size
+
+
+def node_parts(ranks: list[int], node_size: int) -> list[list[int]] | None:
+    """``ranks`` (one group's, ascending) cut by node, in node order; None when nodes hold
+    different numbers of them (no intra/inter sub-groups then)."""
+    parts: dict[int, list[int]] = {}
+    for r in ranks:
+        parts.setdefault(r // node_size, []).append(r)
+    out = [parts[n] for n in sorted(parts)]
+    return out if len({len(p) for p in out}) == 1 else None
+
+
 @dataclass
 class Layout:
     world: int = 1
@@ -53,6 +83,14 @@ class Layout:
     ep_group: object = None
     edp_group: object = None
     pp_group: object = None
+    node_size: int = 1
+    # the node tier of the dp and edp groups (see the module docstring): None where it would hold
+    # this rank alone; the group itself where the group lies inside one node (intra) or has one
+    # member per node (inter); both None when the group's nodes hold different numbers of members
+    dp_intra_group: object = None
+    dp_inter_group: object = None
+    edp_intra_group: object = None
+    edp_inter_group: object = None
 
     @property
     def edp(self) -> int:
@@ -78,24 +116,62 @@ class Layout:
     def is_single(self) -> bool:
         return self.world == 1
 
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.node_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.node_size
+
+    def group_ranks(self, kind: str) -> list[int]:
+        """The global ranks of this rank's ``"dp"`` or ``"edp"`` group, ascending (its group-rank order)."""
+        base = self.pp_rank * self.dp
+        if kind == "dp":
+            return list(range(base, base + self.dp))
+        if kind == "edp":
+            return list(range(base + self.ep_rank, base + self.dp, self.ep))
+        raise ValueError(f"kind={kind!r} must be 'dp' or 'edp'")
+
+    def node_split(self, kind: str) -> tuple[int, int] | None:
+        """``(n, k)`` of this rank's ``"dp"`` or ``"edp"`` group: the nodes it spans and its members on
+        each; None when its nodes hold different numbers of members."""
+        parts = node_parts(self.group_ranks(kind), self.node_size)
+        return None if parts is None else (len(parts), len(parts[0]))
+
     @classmethod
     def single(cls) -> Layout:
         return cls()
 
     @classmethod
     def build(
-        cls, *, ep: int = 1, pp: int = 1, num_experts: int | None = None, timeout_s: float | None = None
+        cls,
+        *,
+        ep: int = 1,
+        pp: int = 1,
+        num_experts: int | None = None,
+        timeout_s: float | None = None,
+        node_size: int | None = None,
     ) -> Layout:
         """Create every group from the initialised default process group (all ranks must call).
 
         Each group's collectives fail after ``timeout_s`` seconds (default: the collective timeout
         ``init_distributed`` was given, else torch's default): a new group does not inherit the
         default group's timeout, so without this a rank that dies in an expert-parallel exchange
-        would leave its peers waiting torch's 30 minutes."""
+        would leave its peers waiting torch's 30 minutes.
+
+        ``node_size``: ranks per node (default: ``LOCAL_WORLD_SIZE`` from torchrun's environment, else
+        the whole world as one node); it must divide the world size."""
         if not dist.is_initialized():
             validate_layout(1, pp, ep, num_experts)
+            if node_size is not None:
+                validate_node_size(1, node_size)
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
+        if node_size is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE", "")
+            node_size = validate_node_size(world, int(local), "LOCAL_WORLD_SIZE") if local.isdigit() else world
+        validate_node_size(world, node_size)
         dp = validate_layout(world, pp, ep, num_experts)
         timeout_s = _collective_timeout_s if timeout_s is None else timeout_s
         if timeout_s is not None and not timeout_s > 0:
@@ -105,7 +181,7 @@ class Layout:
         def new_group(ranks):
             return dist.new_group(ranks, timeout=timeout)
 
-        layout = cls(world=world, rank=rank, pp=pp, dp=dp, ep=ep)
+        layout = cls(world=world, rank=rank, pp=pp, dp=dp, ep=ep, node_size=node_size)
         # every rank creates every group, in the same order (a torch.distributed requirement)
         for stage in range(pp):
             base = stage * dp
@@ -128,13 +204,53 @@ class Layout:
             g = new_group(ranks) if pp > 1 else None
             if rank in ranks:
                 layout.pp_group = g
+        # the node tier last, so the groups above are created in the order they always were
+        for stage in range(pp):
+            base = stage * dp
+            dp_ranks = list(range(base, base + dp))
+            tier = _node_tier(new_group, dp_ranks, node_size, rank, layout.dp_group)
+            if rank in dp_ranks:
+                layout.dp_intra_group, layout.dp_inter_group = tier
+            for offset in range(ep):
+                ranks = list(range(base + offset, base + dp, ep))
+                # ep=1: the edp group has the dp group's ranks, and so its sub-groups
+                sub = tier if ep == 1 else _node_tier(new_group, ranks, node_size, rank, layout.edp_group)
+                if rank in ranks:
+                    layout.edp_intra_group, layout.edp_inter_group = sub
         return layout
 
     def describe(self) -> str:
         return (
-            f"world={self.world} pp={self.pp} dp={self.dp} ep={self.ep} edp={self.edp} rank={self.rank} "
-            f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} ep_rank={self.ep_rank} edp_rank={self.edp_rank})"
+            f"world={self.world} pp={self.pp} dp={self.dp} ep={self.ep} edp={self.edp} node_size={self.node_size} "
+            f"rank={self.rank} (pp_rank={self.pp_rank} dp_rank={self.dp_rank} ep_rank={self.ep_rank} "
+            f"edp_rank={self.edp_rank} node_rank={self.node_rank})"
         )
+
+
+def _node_tier(new_group, ranks: list[int], node_size: int, rank: int, whole) -> tuple[object, object]:
+    """``(intra, inter)`` sub-groups of the group of ``ranks`` for ``rank`` (``whole``: that group,
+    when ``rank`` is a member). Every rank runs this for every group, creating the same groups in the
+    same order; only those with two or more members and other than the whole group are created."""
+    parts = node_parts(ranks, node_size)
+    if parts is None or len(ranks) == 1:
+        return None, None
+    n, k = len(parts), len(parts[0])
+    intra = inter = None
+    if n == 1:
+        intra = whole
+    elif k == 1:
+        inter = whole
+    else:
+        for part in parts:
+            g = new_group(part)
+            if rank in part:
+                intra = g
+        for j in range(k):
+            column = [part[j] for part in parts]
+            g = new_group(column)
+            if rank in column:
+                inter = g
+    return intra, inter
 
 
 _collective_timeout_s: float | None = None  # what join_process_group was given; Layout.build's default

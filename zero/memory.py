@@ -125,7 +125,8 @@ def measure_memory(engine) -> dict:
     for f in engine.flats:
         if f.sharded_params:
             add(f.kind, "params", f.shard_C)
-            gathered += _nbytes(f.full_P)
+            # hpZ's node-local slice lives from a block's first gather to the step, as gathers do
+            gathered += _nbytes(f.full_P) + _nbytes(getattr(f, "secondary", None))
         else:
             add(f.kind, "params", f.full_P)
         add(f.kind, "grads", f.grad_full_P)

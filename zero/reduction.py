@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from .units import Unit
 
@@ -15,7 +14,7 @@ from .units import Unit
 class GradReduction:
     """Mixed into ``ZeroEngine``: gradient arrival and reduction. Owns ``_where``, ``_grad_hooks``
     and the per-step flags below; reads the engine's ``units``, ``flats``, ``stage``,
-    ``keep_gathered``, ``layout`` and ``device``, the forward order ``_fwd_order`` and
+    ``keep_gathered``, ``layout``, ``device`` and ``comm`` (``zero.comm``), the forward order ``_fwd_order`` and
     ``_free_unit`` (``zero.gather``)."""
 
     def _init_reduction(self) -> None:
@@ -125,8 +124,8 @@ class GradReduction:
             sq = torch.cat([sq, (~extra_finite.reshape(-1)).to(self.device, torch.float32)])
         layout = self.layout
         if layout.dp_group is not None:
-            dist.all_reduce(sq, group=layout.dp_group)
+            self.comm.all_reduce(sq, layout.dp_group, label="grad_norm")
         if layout.pp_group is not None:
-            dist.all_reduce(sq, group=layout.pp_group)
+            self.comm.all_reduce(sq, layout.pp_group, label="grad_norm")
         values = sq.tolist()  # the step's one host sync
         return math.sqrt(values[0]) / layout.dp, [int(v) for v in values[1:]]

@@ -69,15 +69,20 @@ def check_blocks(model: nn.Module, blocks: list[nn.Module] | None) -> tuple[list
 def build_units(named, blocks, module_names, group_of, layout, **flat_options) -> list[Unit]:
     """The units, the root first, then the blocks in order (a unit without trainable parameters is
     left out). ``named``: the trainable ``(name, param)``; ``group_of``: each one's param group;
-    ``flat_options``: ``FlatGroup``'s ``stage``, ``compute_dtype``, ``opt_device``, ``offload``."""
+    ``flat_options``: ``FlatGroup``'s ``stage``, ``compute_dtype``, ``opt_device``, ``offload`` (and
+    ``comm``, ``zpp``); each flat gets its group's node tier from ``layout``."""
     per_unit = _parameters_per_unit(named, blocks)
+    tiers = {
+        "dense": (layout.dp_group, (layout.dp_intra_group, layout.dp_inter_group, layout.node_split("dp"))),
+        "expert": (layout.edp_group, (layout.edp_intra_group, layout.edp_inter_group, layout.node_split("edp"))),
+    }
     units = []
     for key in [None] + blocks:
         flats = []
-        for kind, group in (("dense", layout.dp_group), ("expert", layout.edp_group)):
+        for kind, (group, tier) in tiers.items():
             chosen = [(n, p) for n, p in per_unit[key] if is_expert_param(p) == (kind == "expert")]
             if chosen:
-                flats.append(_flat_group(chosen, kind, group, group_of, flat_options))
+                flats.append(_flat_group(chosen, kind, group, group_of, dict(flat_options, tier=tier)))
         if flats:
             units.append(Unit("<root>" if key is None else module_names[key], key, flats))
     return units
