@@ -17,9 +17,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .group import _agree, _distributed, _rank
-from .integrity import FORMAT, MANIFEST, META, _digest_bytes, _write_manifest, read_meta, verify_together, write_durably
+from .integrity import (
+    FORMAT,
+    MANIFEST,
+    META,
+    CheckpointDiskFull,
+    _digest_bytes,
+    _is_disk_full,
+    _write_manifest,
+    list_checkpoints,
+    read_meta,
+    verify_together,
+    write_durably,
+)
 from .planners import _ChunkLoadPlanner, _ChunkSavePlanner
 from .storage import SafeReader, _Writer
 
@@ -58,17 +71,25 @@ def _set_rng(values: dict[str, torch.Tensor], rank: int) -> None:
         random.setstate((v[0], tuple(v[1:]), None if math.isnan(g) else g))
 
 
-def _entries(engine, rank: int, rng: bool):
+def _entries(engine, rank: int, rng: bool, counted: set | None = None):
     """``(tensors, chunks, scalars)``: the state as DCP entries of views into the engine (no copy),
     the chunk map, and ``(key, tensor, state key)`` of each optimizer scalar (a fresh tensor, so a
-    load can write it back into ``optimizer.state``)."""
+    load can write it back into ``optimizer.state``). ``counted``, when given, receives the keys
+    whose bytes this rank counts towards the size of the whole save (``_share_bytes``)."""
     tensors, chunks, scalars = {}, {}, []
+    counted = set() if counted is None else counted
     for f in engine.flats:
+        # DCP writes a replica once: stage 0 replicates each flat over its group, so its group
+        # rank 0 counts it; a plain tensor (shape, optimizer scalar) counts where its parameter's
+        # global element 0 is held
+        first = f.stage != 0 or f.rank == 0
         for s in f.metadata():  # the parameters inside this rank's master range
             key = PARAM + s.name
             tensors[key] = f.master[s.shard_range[0] : s.shard_range[1]]
             chunks[key] = (_global_offset(s), math.prod(s.global_shape))
             tensors[SHAPE + s.name] = torch.tensor(s.global_shape, dtype=torch.int64)
+            if first:
+                counted.update([key] + ([SHAPE + s.name] if _global_offset(s) == 0 else []))
         for _, a, b, t in f.shards:
             for skey, value in engine.optimizer.state.get(t, {}).items():
                 for s in f.metadata(a, b):
@@ -76,6 +97,8 @@ def _entries(engine, rank: int, rng: bool):
                     if _per_element(value, t):
                         tensors[key] = value[s.shard_range[0] : s.shard_range[1]]
                         chunks[key] = (_global_offset(s), math.prod(s.global_shape))
+                        if first:
+                            counted.add(key)
                     else:
                         scalar = (
                             value.detach().clone().cpu()
@@ -84,11 +107,21 @@ def _entries(engine, rank: int, rng: bool):
                         )
                         tensors[key] = scalar
                         scalars.append((key, t, skey))
+                        if first and _global_offset(s) == 0:
+                            counted.add(key)
     for name, buf in _persistent_buffers(engine.module):
         tensors[BUFFER + name] = buf
+        if engine.layout.dp_rank == 0:  # buffers are replicated over dp
+            counted.add(BUFFER + name)
     if rng:
         tensors.update(_rng_entries(rank))
+        counted.update(k for k in tensors if k.startswith(f"{RNG}{rank}/"))
     return tensors, chunks, scalars
+
+
+def _share_bytes(tensors: dict, counted: set) -> int:
+    """The bytes this rank counts towards the whole save (summed over the ranks: what DCP writes)."""
+    return sum(tensors[k].numel() * tensors[k].element_size() for k in counted)
 
 
 def _persistent_buffers(module: torch.nn.Module):
@@ -189,6 +222,7 @@ def save(
     stager: Stager | None = None,
     executor: concurrent.futures.Executor | None = None,
     after=None,
+    warn_room_for: int | None = None,
 ):
     """Save ``engine``'s state into the directory ``path`` (see ``zero.checkpoint``'s docstring),
     complete with its manifest. A collective over ``group`` (default: every rank). Returns None once
@@ -198,11 +232,15 @@ def save(
     the check that every weight is finite, the directory and ``meta.json``, DCP's planning, the
     writes and the manifest. ``after``: called on rank 0 once the checkpoint is complete (e.g. to
     prune older ones). A save that cannot be made (a non-finite weight, an unwritable directory)
-    raises on every rank, from ``save`` or, async, from the future."""
+    raises on every rank, from ``save`` or, async, from the future; one that meets a full disk
+    removes what it wrote and raises ``CheckpointDiskFull`` (the directory, the bytes it needs, the
+    bytes free) on every rank. ``warn_room_for=n``: warn (rank 0) when the filesystem cannot hold
+    ``n`` checkpoints of this size, counting the ones already under ``path``'s parent."""
     path = Path(path)
     rank = _rank(group)
     step = engine.step_count if step is None else step
-    tensors, chunks, _ = _entries(engine, rank, rng)
+    counted: set = set()
+    tensors, chunks, _ = _entries(engine, rank, rng, counted)
     job = functools.partial(
         _write,
         chunks=chunks,
@@ -212,6 +250,8 @@ def save(
         group=group,
         rank=rank,
         after=after,
+        share=_share_bytes(tensors, counted),
+        warn_room_for=warn_room_for,
     )
     if not async_save:
         job(tensors)
@@ -234,7 +274,9 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _write(tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, after) -> None:
+def _write(
+    tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, after, share: int = 0, warn_room_for=None
+) -> None:
     problem = next(
         (
             f"refusing to save {path}: parameter {k[len(PARAM) :]} holds non-finite values on rank {rank}"
@@ -244,45 +286,104 @@ def _write(tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, 
         None,
     )
     known = {}  # size and checksum of each file, for the manifest
+    small = {META: json.dumps(meta, indent=1), **(files or {})}
+    small = {name: c.encode() if isinstance(c, str) else c for name, c in small.items()}
+    if rank == 0:
+        share += sum(len(c) for c in small.values() if isinstance(c, bytes))
+    full = False  # this rank met a full disk
     if rank == 0 and problem is None:
         try:
             if path.exists():  # an earlier attempt at this step: incomplete from here on, then gone
                 (path / MANIFEST).unlink(missing_ok=True)
                 shutil.rmtree(path)
             path.mkdir(parents=True)
-            for name, content in {META: json.dumps(meta, indent=1), **(files or {})}.items():
-                data = content.encode() if isinstance(content, str) else content
+            for name, data in small.items():
                 write_durably(path / name, data)
                 known[name] = _digest_bytes(data)
         except (OSError, TypeError, ValueError) as e:  # unwritable, or extra not JSON
-            problem = f"cannot save {path}: {type(e).__name__}: {e}"
-    # every rank raises if any cannot save; otherwise the directory is fresh before anyone writes
-    _agree(problem, group, "another rank cannot save (see its error)")
+            full = _is_disk_full(e)
+            problem = None if full else f"cannot save {path}: {type(e).__name__}: {e}"
+    # every rank raises if any cannot save; otherwise the directory is fresh before anyone writes.
+    # The same all-reduce sums what each rank will write (and counts full disks)
+    need, full = _agree(problem, group, "another rank cannot save (see its error)", count=(share, full))
+    if full:
+        _disk_full(path, need, group, rank)
+    if rank == 0 and warn_room_for:
+        _warn_room(path, need, warn_room_for)
     writer = _Writer(path, sync_files=True)
-    dcp.save(
-        tensors,
-        storage_writer=writer,
-        planner=_ChunkSavePlanner(chunks),
-        process_group=group,
-        no_dist=not _distributed(group),
-    )
+    try:
+        dcp.save(
+            tensors,
+            storage_writer=writer,
+            planner=_ChunkSavePlanner(chunks),
+            process_group=group,
+            no_dist=not _distributed(group),
+        )
+    except CheckpointException as e:
+        # DCP gathers every rank's failure into the exception each rank raises: the same choice everywhere
+        if not any(_is_disk_full(exc) for exc, _ in e.failures.values()):
+            raise
+        _disk_full(path, need, group, rank)
     # DCP's save returns once every rank has written and fsynced its file and rank 0 the metadata
     sums = [writer.sums]
     if _distributed(group):
         sums = [None] * dist.get_world_size(group)
         dist.all_gather_object(sums, writer.sums, group=group)
-    problem = None
+    problem, full = None, False
     if rank == 0:
         for s in sums:
             known.update(s)
         try:
             _write_manifest(path, known)
         except OSError as e:
-            problem = f"cannot complete {path}: writing {MANIFEST} failed: {type(e).__name__}: {e}"
-        if problem is None and after is not None:
+            full = _is_disk_full(e)
+            problem = None if full else f"cannot complete {path}: writing {MANIFEST} failed: {type(e).__name__}: {e}"
+        if problem is None and not full and after is not None:
             after()
     # the save returns on every rank once the checkpoint is complete (or raises on every rank)
-    _agree(problem, group, f"rank 0 could not complete {path} (see its error)")
+    if _agree(problem, group, f"rank 0 could not complete {path} (see its error)", count=full):
+        _disk_full(path, need, group, rank)
+
+
+def _disk_full(path: Path, need: int, group, rank: int) -> None:
+    """After a rank met a full disk, on every rank: rank 0 removes the partial checkpoint (every rank
+    is past its writes: DCP's collective or the agreement saw them all), measures what is free and
+    tells the others; all raise ``CheckpointDiskFull``."""
+    free = 0
+    if rank == 0:
+        (path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        free = _free_bytes(path)
+    free = _agree(None, group, count=free)
+    complete = [p for _, p in list_checkpoints(path.parent) if (p / MANIFEST).is_file()]
+    raise CheckpointDiskFull(path, need, free, complete)
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
+
+
+def _warn_room(path: Path, need: int, room_for: int) -> None:
+    """Warn when ``room_for`` checkpoints of ``need`` bytes do not fit in what is free plus the
+    checkpoints already under ``path``'s parent (which pruning will reclaim)."""
+    held = 0
+    for _, p in list_checkpoints(path.parent):
+        if p != path:
+            held += sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+    free = _free_bytes(path)
+    if free + held < room_for * need:
+        warnings.warn(
+            f"checkpoint directory {path.parent}: {free} bytes are free (and {held} held by older "
+            f"checkpoints), but keep_last + 1 = {room_for} checkpoints of {need} bytes need "
+            f"{room_for * need}: a save will meet a full disk",
+            stacklevel=3,
+        )
 
 
 @torch.no_grad()
