@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..nvme import FileEntries
 from .group import _agree, _distributed, _rank
 from .integrity import (
     FORMAT,
@@ -71,21 +72,33 @@ def _set_rng(values: dict[str, torch.Tensor], rank: int) -> None:
         random.setstate((v[0], tuple(v[1:]), None if math.isnan(g) else g))
 
 
-def _entries(engine, rank: int, rng: bool, counted: set | None = None):
+def _entries(engine, rank: int, rng: bool, counted: set | None = None, in_files=None):
     """``(tensors, chunks, scalars)``: the state as DCP entries of views into the engine (no copy),
     the chunk map, and ``(key, tensor, state key)`` of each optimizer scalar (a fresh tensor, so a
     load can write it back into ``optimizer.state``). ``counted``, when given, receives the keys
-    whose bytes this rank counts towards the size of the whole save (``_share_bytes``)."""
+    whose bytes this rank counts towards the size of the whole save (``_share_bytes``).
+
+    With ``offload="nvme"`` the master weights and the per-element optimizer state are in files:
+    their entries are meta tensors registered in ``in_files`` (a ``zero.nvme.FileEntries``, which
+    the planners read and write per item), under the same keys and chunks as in memory, so a
+    checkpoint does not tell how it was saved and loads either way."""
     tensors, chunks, scalars = {}, {}, []
     counted = set() if counted is None else counted
+    offload = getattr(engine, "_nvme", None)
+    if offload is not None and in_files is None:
+        raise ValueError("an engine with offload='nvme' needs in_files=zero.nvme.FileEntries(...) for its entries")
     for f in engine.flats:
         # DCP writes a replica once: stage 0 replicates each flat over its group, so its group
         # rank 0 counts it; a plain tensor (shape, optimizer scalar) counts where its parameter's
         # global element 0 is held
         first = f.stage != 0 or f.rank == 0
+        opt_lo = f.opt_range[0]
         for s in f.metadata():  # the parameters inside this rank's master range
             key = PARAM + s.name
-            tensors[key] = f.master[s.shard_range[0] : s.shard_range[1]]
+            if f.master is None:  # in the offload files
+                tensors[key] = in_files.add(key, 0, f, opt_lo + s.shard_range[0], opt_lo + s.shard_range[1])
+            else:
+                tensors[key] = f.master[s.shard_range[0] : s.shard_range[1]]
             chunks[key] = (_global_offset(s), math.prod(s.global_shape))
             tensors[SHAPE + s.name] = torch.tensor(s.global_shape, dtype=torch.int64)
             if first:
@@ -108,6 +121,16 @@ def _entries(engine, rank: int, rng: bool, counted: set | None = None):
                         tensors[key] = scalar
                         scalars.append((key, t, skey))
                         if first and _global_offset(s) == 0:
+                            counted.add(key)
+        if f.master is None and offload.state_in_files:
+            # per (flat, param group) range, as the in-memory shard tensors are: one chunk per key
+            for _, a, b in f.shard_ranges(f.group_bounds):
+                for s in f.metadata(a, b):
+                    for slot, (skey, _) in enumerate(offload.slots[1:], 1):
+                        key = f"{OPTIM}{skey}/{s.name}"
+                        tensors[key] = in_files.add(key, slot, f, a + s.shard_range[0], a + s.shard_range[1])
+                        chunks[key] = (_global_offset(s), math.prod(s.global_shape))
+                        if first:
                             counted.add(key)
     for name, buf in _persistent_buffers(engine.module):
         tensors[BUFFER + name] = buf
@@ -139,16 +162,21 @@ def _init_optimizer_state(engine) -> None:
     """Create the optimizer's lazily built state (torch optimizers build it in their first step) by
     one step with zero gradients at lr 0, which leaves every weight as it is (weight decay is
     scaled by lr); the load then overwrites the state."""
+    offload = getattr(engine, "_nvme", None)
     shards = [t for f in engine.flats for _, _, _, t in f.shards]
-    if all(engine.optimizer.state.get(t) for t in shards):
+    if offload.state_in_files if offload is not None else all(engine.optimizer.state.get(t) for t in shards):
         return
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
     for g in engine.optimizer.param_groups:
         g["lr"] = 0.0
-    for t in shards:
-        t.grad = torch.zeros_like(t)
+    if offload is None:
+        for t in shards:
+            t.grad = torch.zeros_like(t)
     try:
-        engine.optimizer.step()
+        if offload is not None:  # through the files, a sub-group at a time
+            offload.step(1.0, zero_grads=True)
+        else:
+            engine.optimizer.step()
     finally:
         for t in shards:
             t.grad = None
@@ -165,6 +193,15 @@ warnings.filterwarnings(
 )
 
 
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 def _meta(engine, step: int, extra: dict | None) -> dict:
     layout = engine.layout
     return {
@@ -179,6 +216,7 @@ def _meta(engine, step: int, extra: dict | None) -> dict:
             "ep": layout.ep,
             "stage": engine.stage,
             "offload": engine.offload,
+            "offload_mode": getattr(engine, "offload_mode", "cpu" if engine.offload else "none"),
             "mixed_precision": engine.mixed_precision,
         },
         "optimizer": type(engine.optimizer).__name__,
@@ -240,7 +278,16 @@ def save(
     rank = _rank(group)
     step = engine.step_count if step is None else step
     counted: set = set()
-    tensors, chunks, _ = _entries(engine, rank, rng, counted)
+    offload = getattr(engine, "_nvme", None)
+    in_files = None if offload is None else FileEntries(offload)
+    tensors, chunks, _ = _entries(engine, rank, rng, counted, in_files)
+    if in_files is not None and async_save:
+        # staging would copy the whole offloaded state into RAM, which the offload exists to avoid
+        _warn_once(
+            "async_save with offload='nvme' saves synchronously: the state is read from the offload files "
+            "one item at a time while the save writes it"
+        )
+        async_save = False
     job = functools.partial(
         _write,
         chunks=chunks,
@@ -252,6 +299,7 @@ def save(
         after=after,
         share=_share_bytes(tensors, counted),
         warn_room_for=warn_room_for,
+        in_files=in_files,
     )
     if not async_save:
         job(tensors)
@@ -275,13 +323,27 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def _write(
-    tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, after, share: int = 0, warn_room_for=None
+    tensors,
+    *,
+    chunks,
+    path: Path,
+    meta: dict,
+    files,
+    group,
+    rank: int,
+    after,
+    share: int = 0,
+    warn_room_for=None,
+    in_files=None,
 ) -> None:
+    def value(k):
+        return in_files.read(k) if in_files is not None and k in in_files else tensors[k]
+
     problem = next(
         (
             f"refusing to save {path}: parameter {k[len(PARAM) :]} holds non-finite values on rank {rank}"
             for k in chunks
-            if k.startswith(PARAM) and not _finite(tensors[k])
+            if k.startswith(PARAM) and not _finite(value(k))
         ),
         None,
     )
@@ -315,7 +377,7 @@ def _write(
         dcp.save(
             tensors,
             storage_writer=writer,
-            planner=_ChunkSavePlanner(chunks),
+            planner=_ChunkSavePlanner(chunks, in_files),
             process_group=group,
             no_dist=not _distributed(group),
         )
@@ -410,7 +472,9 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
     has_optim = any(k.startswith(OPTIM) for k in saved)
     if has_optim:
         _init_optimizer_state(engine)
-    tensors, chunks, scalars = _entries(engine, rank, rng=False)
+    offload = getattr(engine, "_nvme", None)
+    in_files = None if offload is None else FileEntries(offload)
+    tensors, chunks, scalars = _entries(engine, rank, rng=False, in_files=in_files)
     if not has_optim:
         tensors = {k: v for k, v in tensors.items() if not k.startswith(OPTIM)}
         scalars = []
@@ -423,7 +487,7 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
     dcp.load(
         tensors,
         storage_reader=reader,
-        planner=_ChunkLoadPlanner(chunks),
+        planner=_ChunkLoadPlanner(chunks, in_files),
         process_group=group,
         no_dist=not _distributed(group),
     )
@@ -485,8 +549,10 @@ def _check_against(tensors, chunks, saved, meta, path) -> str | None:
 def _refresh_compute_weights(engine) -> None:
     """After new master weights: the compute weights from them, every replica's full weights
     (stages 1-2, as after a step), and stage 3's gathered blocks are stale."""
+    if getattr(engine, "_nvme", None) is not None:
+        engine._nvme.refresh_compute()  # streamed from the files
     for f in engine.flats:
-        if f.separate_master:
+        if f.separate_master and f.master is not None:
             f.own_compute.copy_(f.master)
     handles = [h for h in (f.launch_param_gather() for f in engine.flats) if h is not None]
     for h in handles:
