@@ -80,7 +80,7 @@ DEFAULT_SUB_GROUP = 1 << 22  # elements: 16 MiB of fp32 per slot and buffer set
 _IO_CHUNK = 8 << 20  # bytes per preadv/pwritev: several in flight per request
 _IO_THREADS = 4
 _SETS = 3  # buffer sets: one read ahead, one updated, one written back
-_POISON = torch.full((1,), float("nan"))  # what a shard tensor reads between steps
+_POISON = torch.full((1,), float("nan"))  # what shard tensors read between steps
 
 
 def offload_mode(offload) -> str:
@@ -122,10 +122,16 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+def _poison(n: int) -> torch.Tensor:
+    """``n`` elements that read as NaN and, for n > 1, refuse in-place writes, in 4 bytes (one
+    element has nothing to overlap: it gets a NaN of its own, so a write cannot reach the others)."""
+    return _POISON.expand(n) if n > 1 else torch.full((n,), float("nan"))
+
+
 def _placeholder(n: int) -> torch.Tensor:
-    """A leaf tensor of ``n`` elements that reads as NaN and refuses in-place writes, in 4 bytes."""
+    """A leaf tensor of ``n`` elements whose data is ``_poison(n)``: a shard tensor between steps."""
     t = torch.empty(0)
-    t.data = _POISON.expand(n)
+    t.data = _poison(n)
     return t
 
 
@@ -591,7 +597,7 @@ class NvmeOffload:
                     f"its probe step did not; it cannot be offloaded"
                 )
             t.grad = None
-            t.data = _POISON.expand(n)
+            t.data = _poison(n)
 
     def refresh_compute(self) -> None:
         """The compute weights from the master weights in the files (after a checkpoint load)."""
