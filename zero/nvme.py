@@ -266,7 +266,8 @@ class NvmeOffload:
         elems = min(plan.sub_group_elems, max(plan.total, _ALIGN_ELEMS))
         self.sets = [_BufferSet(self.slots, elems, pin) for _ in range(_SETS)]
         self.pool = concurrent.futures.ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="zero-nvme")
-        self.stats = {"read_bytes": 0, "write_bytes": 0, "step_s": 0.0, "io_wait_s": 0.0}
+        # totals since start-up: bytes moved, seconds in the streaming loops, waiting on I/O, updating
+        self.stats = {"read_bytes": 0, "write_bytes": 0, "step_s": 0.0, "io_wait_s": 0.0, "update_s": 0.0}
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close, list(self.fds), self.pool)
         if self._eager_state():
@@ -512,7 +513,9 @@ class NvmeOffload:
             w0 = time.perf_counter()
             bs.wait()
             self.stats["io_wait_s"] += time.perf_counter() - w0
+            u0 = time.perf_counter()
             fn(sg, bs)
+            self.stats["update_s"] += time.perf_counter() - u0
             self._write(sg, bs, write_slots)
         w0 = time.perf_counter()
         for bs in self.sets:
