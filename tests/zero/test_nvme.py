@@ -270,3 +270,16 @@ def test_two_ranks_with_expert_parallelism(tmp_path):
 def test_two_pipeline_stages(tmp_path):
     got = run_distributed(nc.pp2_rank, 2, str(tmp_path), timeout=600)
     assert got == [True, True]
+
+
+def test_the_benchmark_runs(tmp_path, capsys):
+    """experiments/bench/nvme.py on a tiny model: a benchmark is a script, not a test, but a broken
+    one should not wait for the next person who wants a figure."""
+    from experiments.bench import nvme as bench
+
+    figures = bench.main(
+        ["--dir", str(tmp_path), "--params", "3e5", "--d", "64", "--steps", "1", "--sub-group", "4096"]
+    )
+    assert figures["io_efficiency"] > 0 and figures["disk"]["read"] > 0
+    assert set(figures["runs"]) == {"none", "cpu", "nvme"}
+    assert "I/O efficiency" in capsys.readouterr().out

@@ -62,6 +62,12 @@ The modules, in the order they build on each other:
 - ``state``: the engine's state as DCP entries, ``save``, ``load``, ``read_tensors``;
 - ``checkpointer``: ``Checkpointer``, the driver of periodic saves and resumes.
 
+An engine with ``offload="nvme"`` (``zero.nvme``) writes the same entries: its master weights and
+per-element optimizer state are read from its offload files one item at a time as DCP writes them,
+and a load writes each item it reads into them (``FileEntries``), so neither holds a second copy
+of the state in memory; such a checkpoint loads in memory and the other way round. Its async saves
+run synchronously (staging would copy the state into RAM).
+
 A save that meets a full disk (ENOSPC, EDQUOT) removes its partial directory (which would hold
 the space, so every retry failed at the same save), keeps every complete checkpoint and raises
 ``CheckpointDiskFull`` (an ``OSError``: ``directory``, ``needed``, ``free``) on every rank. The
