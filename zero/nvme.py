@@ -426,6 +426,53 @@ class NvmeOffload:
         """Close the files (their space is freed) and stop the I/O threads."""
         self._finalizer()
 
+    def snapshot(self) -> NvmeOffload | None:
+        """A frozen copy of the files, for an async checkpoint to read while training goes on: new
+        nameless files beside these (their space reserved first), filled by the kernel
+        (``copy_file_range``: a reflink where the filesystem has them) or, where it refuses, through
+        a bounce buffer; an ``NvmeOffload`` over them that reads (``read_range``) and is closed by
+        ``close()``. None when ``offload_dir`` has no room for a second copy (or it cannot be made)."""
+        fds: list[int] = []
+        try:
+            for k, (name, dt) in enumerate(self.slots):
+                fd = self._open_one(f"{name}-snapshot")
+                fds.append(fd)
+                size = self.plan.total * dt.itemsize
+                if size:
+                    os.posix_fallocate(fd, 0, size)
+                    self._copy_file(self.fds[k], fd, size)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            return None
+        snap = copy.copy(self)
+        snap.fds = fds
+        snap.pool = concurrent.futures.ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="zero-nvme-snapshot")
+        snap.stats = dict.fromkeys(self.stats, 0)
+        snap._lock = threading.Lock()
+        snap._finalizer = weakref.finalize(snap, _close, list(fds), snap.pool)
+        return snap
+
+    def _copy_file(self, src: int, dst: int, size: int) -> None:
+        done = 0
+        try:
+            while done < size:
+                n = os.copy_file_range(src, dst, size - done, done, done)
+                if n <= 0:
+                    break
+                done += n
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        buf = _aligned(min(size, 8 * _IO_CHUNK), False)
+        mv = memoryview(buf.numpy())
+        while done < size:  # what the kernel would not copy (O_DIRECT files on some filesystems)
+            start = done // ALIGN * ALIGN
+            n = min(len(mv), size - start)
+            _pread(src, mv[:n], start, not self.direct)
+            _pwrite(dst, mv[:n], start, not self.direct)
+            done = start + n
+
     # ----- raw I/O ----------------------------------------------------------------------------
     def _io(self, write: bool, slot: int, buf_u8: torch.Tensor, off_bytes: int) -> list:
         """Submit the transfer of ``buf_u8`` to (or from) slot file ``slot`` at ``off_bytes``."""

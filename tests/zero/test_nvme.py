@@ -86,20 +86,32 @@ def test_a_checkpoint_resumes_across_memory_and_nvme(tmp_path, stage, src, dst):
     assert nc.same(full, {"losses": losses, "weights": resumed.full_parameters()})
 
 
-def test_an_async_save_of_nvme_state_is_written_synchronously(tmp_path):
+def test_an_async_save_of_nvme_state_writes_the_state_at_the_save(tmp_path, monkeypatch):
+    """The offload files are copied beside themselves (not into RAM) and the save reads the copy
+    while the next steps change the files; without room for the copy the save is synchronous."""
     engine = nc.build(Layout.single(), 1, "adamw", "nvme", tmp_path / "offload")
     nc.train(engine, 0, 2)
     at_save = engine.full_parameters()
     ck = zc.Checkpointer(engine, tmp_path / "ckpt", async_save=True)
-    with pytest.warns(UserWarning, match="saves synchronously"):
-        path = ck.save(2)
-    assert zc.verify(path) is None  # complete when save() returned
-    nc.train(engine, 2, 3)
+    copies = []
+    snapshot = nvme.NvmeOffload.snapshot
+    monkeypatch.setattr(nvme.NvmeOffload, "snapshot", lambda self: copies.append(snapshot(self)) or copies[-1])
+    path = ck.save(2)
+    nc.train(engine, 2, 4)  # while the save may still be writing
     ck.close()
+    assert copies and copies[0] is not None and not copies[0]._finalizer.alive  # the copy was closed
+    assert zc.verify(path) is None
     fresh = nc.build(Layout.single(), 1, "adamw", "none")
     zc.load(fresh, path)
     for n, w in fresh.full_parameters().items():
         assert torch.equal(w, at_save[n]), n
+    # no room for the copy: a warning, and the save is complete when save() returns
+    monkeypatch.setattr(nvme.NvmeOffload, "snapshot", lambda self: None)
+    ck = zc.Checkpointer(engine, tmp_path / "ckpt2", async_save=True)
+    with pytest.warns(UserWarning, match="has no room for a copy of the offload files"):
+        path = ck.save(4)
+    assert zc.verify(path) is None
+    ck.close()
 
 
 def test_a_non_finite_nvme_master_is_never_saved(tmp_path):

@@ -65,8 +65,9 @@ The modules, in the order they build on each other:
 An engine with ``offload="nvme"`` (``zero.nvme``) writes the same entries: its master weights and
 per-element optimizer state are read from its offload files one item at a time as DCP writes them,
 and a load writes each item it reads into them (``FileEntries``), so neither holds a second copy
-of the state in memory; such a checkpoint loads in memory and the other way round. Its async saves
-run synchronously (staging would copy the state into RAM).
+of the state in memory; such a checkpoint loads in memory and the other way round. An async save
+copies the offload files beside themselves (on disk, not into RAM: staging would) and writes from
+the copy; without room for it, the save runs synchronously, with a warning.
 
 A save that meets a full disk (ENOSPC, EDQUOT) removes its partial directory (which would hold
 the space, so every retry failed at the same save), keeps every complete checkpoint and raises

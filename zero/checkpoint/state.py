@@ -281,13 +281,20 @@ def save(
     offload = getattr(engine, "_nvme", None)
     in_files = None if offload is None else FileEntries(offload)
     tensors, chunks, _ = _entries(engine, rank, rng, counted, in_files)
+    snapshot = None
     if in_files is not None and async_save:
-        # staging would copy the whole offloaded state into RAM, which the offload exists to avoid
-        _warn_once(
-            "async_save with offload='nvme' saves synchronously: the state is read from the offload files "
-            "one item at a time while the save writes it"
-        )
-        async_save = False
+        # staging would copy the whole offloaded state into RAM, which the offload exists to avoid:
+        # the files are copied beside themselves instead, and the save reads the copy
+        snapshot = offload.snapshot()
+        if snapshot is None:
+            _warn_once(
+                f"async_save with offload='nvme': offload_dir={offload.directory} has no room for a copy of "
+                f"the offload files ({offload.need} bytes), so this save runs synchronously, reading the "
+                f"state from the offload files one item at a time"
+            )
+            async_save = False
+        else:
+            in_files.offload = snapshot
     job = functools.partial(
         _write,
         chunks=chunks,
@@ -304,13 +311,24 @@ def save(
     if not async_save:
         job(tensors)
         return None
-    staged = (stager or Stager()).stage(tensors)
+    staged = (stager or Stager()).stage({k: v for k, v in tensors.items() if in_files is None or k not in in_files})
+    if in_files is not None:
+        staged.update((k, v) for k, v in tensors.items() if k in in_files)  # meta: read from the snapshot
+        job = functools.partial(_closing, job, snapshot)
     own = executor is None
     executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
     fut = executor.submit(job, staged)
     if own:
         executor.shutdown(wait=False)
     return fut
+
+
+def _closing(job, snapshot, tensors) -> None:
+    """``job(tensors)``, then the snapshot of the offload files it read is closed (its space freed)."""
+    try:
+        job(tensors)
+    finally:
+        snapshot.close()
 
 
 def _finite(t: torch.Tensor) -> bool:
