@@ -27,6 +27,9 @@ OPTIMIZERS = {
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, eps=1e-4, weight_decay=0.1),
     "sgd": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.1),
     "fused": None,  # the engine's default, routing_kernels.FusedAdamW (fuses the scale and the bf16 copy)
+    # builds its state in its constructor (the offload moves it to the files), not in its first step
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=1e-2, initial_accumulator_value=0.1),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-3, momentum=0.9, centered=True),  # 3 states
 }
 
 

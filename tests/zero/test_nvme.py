@@ -43,6 +43,15 @@ def test_nvme_trains_bit_for_bit_like_memory(tmp_path, opt, stage):
     assert os.listdir(tmp_path) == []  # the files have no names: nothing to leave behind
 
 
+@pytest.mark.parametrize("opt", ["adagrad", "rmsprop"])
+def test_other_optimizers_state_goes_to_the_files(tmp_path, opt):
+    layout = Layout.single()
+    files = nc.run(layout, 2, opt, "nvme", tmp_path)
+    assert nc.same(nc.run(layout, 2, opt), files)
+    slots = [k for k, _ in files["engine"]._nvme.slots]
+    assert slots == (["master", "sum"] if opt == "adagrad" else ["master", "square_avg", "momentum_buffer", "grad_avg"])
+
+
 def test_bf16_compute_weights_with_nvme_masters(tmp_path):
     layout = Layout.single()
     for opt in ("adamw", "fused"):  # the fused kernel writes the bf16 copy itself
