@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,8 @@ from .admission import build_optimizer, check_elementwise, optimizer_factory, re
 from .comm import CommCounter
 from .gather import GatherHooks
 from .layout import Layout
+from .nvme import NvmeOffload, cut_pieces, offload_mode
+from .nvme import check_arguments as check_offload_arguments
 from .reduction import GradReduction
 from .units import build_units, check_blocks, default_blocks
 from .zeropp import check_options as check_zeropp
@@ -143,11 +146,16 @@ class ZeroEngine(GatherHooks, GradReduction):
     override the optimizer's defaults, as in torch. Default: one group of every trainable parameter.
 
     ``max_grad_norm``: clip the global gradient 2-norm, each parameter counted once across dp, ep and
-    pp. ``offload``: optimizer state, master weights and the update on the CPU (ZeRO-Offload); on a
-    CPU-only machine the placement is unchanged but the separate fp32 master copy and the copies in
-    and out still run. ``mixed_precision``: ``"fp32"`` everywhere or ``"bf16"`` compute weights and
-    gradients with fp32 master weights and optimizer state (floating inputs of the model are cast to
-    bf16). ``blocks``: the submodules gathered and reduced together (default ``default_blocks(model)``).
+    pp. ``offload``: ``"none"`` (or False), ``"cpu"`` (or True): optimizer state, master weights and
+    the update on the CPU (ZeRO-Offload; on a CPU-only machine the placement is unchanged but the
+    separate fp32 master copy and the copies in and out still run), or ``"nvme"``: the update on the
+    CPU too, with the master weights and the optimizer's per-element state in files under
+    ``offload_dir`` streamed through three host buffer sets of ``offload_sub_group_elems`` elements
+    per state tensor (ZeRO-Infinity, ``zero.nvme``; ``optimizer.state`` then holds only per-tensor
+    scalars between steps, and the optimizer's tensors are sub-group pieces of the shards).
+    ``mixed_precision``: ``"fp32"`` everywhere or ``"bf16"`` compute weights and gradients with fp32
+    master weights and optimizer state (floating inputs of the model are cast to bf16). ``blocks``:
+    the submodules gathered and reduced together (default ``default_blocks(model)``).
     ``keep_gathered_across_microbatches`` (stage 3): gather each block once per optimizer step and
     keep it until the step, for pipeline stages that run several micro-batches through the same
     weights. ``prefetch`` (stage 3): start the next block's gather early. ``sync_module_states``:
@@ -181,7 +189,9 @@ class ZeroEngine(GatherHooks, GradReduction):
         eps: float | None = None,
         weight_decay: float | None = None,
         max_grad_norm: float | None = None,
-        offload: bool = False,
+        offload: bool | str = False,
+        offload_dir: str | os.PathLike | None = None,
+        offload_sub_group_elems: int | None = None,
         mixed_precision: str = "fp32",
         blocks: list[nn.Module] | None = None,
         keep_gathered_across_microbatches: bool = False,
@@ -206,6 +216,8 @@ class ZeroEngine(GatherHooks, GradReduction):
             keep_gathered=keep_gathered_across_microbatches,
             entries=entries,
         )
+        offload_mode_ = offload_mode(offload)
+        offload_dir, sub_group_elems = check_offload_arguments(offload_mode_, offload_dir, offload_sub_group_elems)
         named, device = self._trainable_parameters(model)
         blocks, module_names = check_blocks(model, blocks)
         group_of, group_options = resolve_param_groups(param_groups, named)  # param -> group index; options
@@ -216,13 +228,14 @@ class ZeroEngine(GatherHooks, GradReduction):
         self.layout = layout if layout is not None else Layout.single()
         self.stage = stage
         self.max_grad_norm = max_grad_norm
-        self.offload = offload
+        self.offload = offload_mode_ != "none"  # the optimizer runs on the host (cpu or nvme)
+        self.offload_mode = offload_mode_
         self.mixed_precision = mixed_precision
         self.compute_dtype = _DTYPES[mixed_precision]
         self.keep_gathered = keep_gathered_across_microbatches
         self.prefetch = prefetch
         self.device = device
-        self.opt_device = torch.device("cpu") if offload else self.device
+        self.opt_device = torch.device("cpu") if self.offload else self.device
         self.step_count = 0
         self.last_grad_norm: float | None = None  # what the last step() returned
         self.last_step_skipped = False  # the last step() found a non-finite value and changed nothing
@@ -240,16 +253,26 @@ class ZeroEngine(GatherHooks, GradReduction):
             stage=stage,
             compute_dtype=self.compute_dtype,
             opt_device=self.opt_device,
-            offload=offload,
+            offload="nvme" if offload_mode_ == "nvme" else self.offload,
             comm=self.comm,
             zpp=zpp,
         )
         self.flats = [f for u in self.units for f in u.flats]
+        # offload="nvme": the optimizer's tensors are the sub-group pieces of the files (zero.nvme)
+        plan = cut_pieces(self.flats, sub_group_elems) if offload_mode_ == "nvme" else None
         self.root = next((u for u in self.units if u.is_root), None)
         self.param_group_names = [[n for n, p in named if group_of[p] == gi] for gi in range(len(group_options))]
         # the optimizer over the shard tensors, checked before the first collective
         self.optimizer = build_optimizer(factory, group_options, self.flats)
         self._fused_step = bool(getattr(self.optimizer, "fuses_scale_and_copy", False))
+        self._nvme = None
+        if plan is not None:  # opens and reserves the files; every rank raises if one cannot
+            groups = [self.layout.dp_group, self.layout.pp_group]
+            self._nvme = NvmeOffload(
+                plan, self.optimizer, offload_dir, device=device, groups=groups, fused=self._fused_step
+            )
+            for f in self.flats:
+                f.master_sink = self._nvme.write_master
 
         self._load_values(sync_module_states)  # the first collective
         self.comm.end_setup()  # the counts per step start here
@@ -385,9 +408,12 @@ class ZeroEngine(GatherHooks, GradReduction):
         weights its optimizer updates (its shards; all of them under stage 0) and one all-reduce
         over dp (and pp) combines them. A collective: every rank must call it."""
         bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        for f in self.flats:
-            for _, _, _, t in f.shards:
-                bad += (~torch.isfinite(t)).sum().to(self.device, torch.float32)
+        if self._nvme is not None:  # the master weights are in files: streamed through the buffers
+            bad += self._nvme.nonfinite_count()
+        else:
+            for f in self.flats:
+                for _, _, _, t in f.shards:
+                    bad += (~torch.isfinite(t)).sum().to(self.device, torch.float32)
         for group in (self.layout.dp_group, self.layout.pp_group):
             if group is not None:
                 self.comm.all_reduce(bad, group, label="inspect")
@@ -455,6 +481,18 @@ class ZeroEngine(GatherHooks, GradReduction):
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the same factor
             grad_scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
         self.step_count += 1
+        if self._nvme is not None:  # master weights and state stream through zero.nvme's buffers
+            self._nvme.step(grad_scale)
+        else:
+            self._update_shards(grad_scale)
+        handles = [h for h in (f.launch_param_gather() for f in self.flats) if h is not None]
+        for h in handles:
+            h.wait()
+        self._release_step()
+        return norm
+
+    def _update_shards(self, grad_scale: float) -> None:
+        """The optimizer over the shard tensors in memory, then the compute weights from the masters."""
         copies, copy_after = {}, []
         shards = []
         for f in self.flats:
@@ -485,11 +523,6 @@ class ZeroEngine(GatherHooks, GradReduction):
             t.grad = None
         for f in copy_after:
             f.own_compute.copy_(f.master, non_blocking=True)
-        handles = [h for h in (f.launch_param_gather() for f in self.flats) if h is not None]
-        for h in handles:
-            h.wait()
-        self._release_step()
-        return norm
 
     def _release_step(self) -> None:
         """The end of every step, taken or skipped: the gradients are consumed, and under stage 3
@@ -554,7 +587,7 @@ class ZeroEngine(GatherHooks, GradReduction):
         over the sharding groups. A collective: every rank must call it."""
         out = {}
         for f in self.flats:
-            master = f.master.to(self.device)
+            master = (f.master if f.master is not None else self._nvme.read_master(f)).to(self.device)
             if f.stage == 0 or f.world == 1:
                 full = master
             else:

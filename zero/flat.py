@@ -14,7 +14,8 @@ Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
   between); stages 2-3 free it once it has been reduce-scattered.
 - ``grad_shard_C``: the summed gradient of this rank's slice (stages 2-3).
 - ``master``: the fp32 master weights of this rank's optimizer range, on the optimizer device (a
-  view of the compute weights when those are fp32 on that device). The optimizer (any elementwise
+  view of the compute weights when those are fp32 on that device; None with ``offload="nvme"``,
+  whose master weights are in files, ``zero.nvme``). The optimizer (any elementwise
   ``torch.optim.Optimizer``, see ``ZeroEngine``) holds 1-D views of it, one per param group's range,
   and keeps its own state (Adam's moments, SGD's momentum) for them.
 - ``secondary``: hpZ's node-local slice of the gathered weights (P / k elements, k the group's
@@ -76,7 +77,7 @@ class FlatGroup:
         stage: int,
         compute_dtype,
         opt_device,
-        offload: bool,
+        offload: bool | str,
         comm: CommCounter | None = None,
         zpp: ZeroPP | None = None,
         tier: tuple | None = None,
@@ -118,6 +119,7 @@ class FlatGroup:
             self.secondary_numel = self.padded // k
             self.secondary_lo = group_rank(self.intra_group) * self.secondary_numel
         self.qgz = self.zpp.qgz and self.stage >= 1 and self.world > 1
+        self.master_sink = None  # offload="nvme": where load() sends the master weights (zero.nvme)
 
     # ----- set-up -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -129,7 +131,7 @@ class FlatGroup:
         rebinds the parameters, the engine's construction holds the weights twice.)"""
         opt_lo, opt_hi = self.opt_range
         # fp32 compute on the optimizer's device: the compute slice itself is the master copy
-        self.separate_master = self.compute_dtype != torch.float32 or self.offload
+        self.separate_master = self.compute_dtype != torch.float32 or bool(self.offload)
         if self.sharded_params:
             self.full_P = None  # created (and freed) by load: the weights' gather target
             self.shard_C = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
@@ -139,7 +141,9 @@ class FlatGroup:
             self.shard_C = None
             own = self.full_P[opt_lo:opt_hi]
         self.own_compute = own  # the compute weights refreshed from the master after each step
-        if self.separate_master:
+        if self.offload == "nvme":
+            self.master = None  # in the files of zero.nvme, which cuts the shard tensors itself
+        elif self.separate_master:
             pin = self.offload and torch.cuda.is_available()
             self.master = torch.zeros(own.numel(), dtype=torch.float32, device=self.opt_device, pin_memory=pin)
         else:
@@ -166,7 +170,10 @@ class FlatGroup:
             _free(self.full_P)
         if self.separate_master:
             opt_lo, opt_hi = self.opt_range
-            self.master.copy_(master_src_P[opt_lo:opt_hi])
+            if self.master is None:  # offload="nvme": into its files
+                self.master_sink(self, master_src_P[opt_lo:opt_hi])
+            else:
+                self.master.copy_(master_src_P[opt_lo:opt_hi])
         if self.stage <= 1:  # full-size gradients live as long as the engine
             self.grad_full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
 

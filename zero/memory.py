@@ -132,7 +132,7 @@ def measure_memory(engine) -> dict:
         add(f.kind, "grads", f.grad_full_P)
         add(f.kind, "grads", f.grad_shard_C)
         field = "optimizer_host" if engine.offload else "optimizer"
-        if f.separate_master:
+        if f.separate_master and f.master is not None:  # offload="nvme": in files
             add(f.kind, field, f.master)
         # the optimizer's elementwise state of this flat's shard tensors (Adam's moments, SGD's
         # momentum), created by its first step; scalars such as the step count are left out

@@ -116,6 +116,11 @@ def _flat_group(chosen, kind: str, group, group_of, flat_options: dict) -> FlatG
         off += k
     f.group_bounds = bounds  # (param group, flat start, flat end)
     opt_lo = f.opt_range[0]
-    # one shard tensor per (flat, param group) range this rank's optimizer updates
-    f.shards = [(gi, a, b, f.master[a - opt_lo : b - opt_lo]) for gi, a, b in f.shard_ranges(bounds)]
+    # one shard tensor per (flat, param group) range this rank's optimizer updates (offload="nvme":
+    # zero.nvme.cut_pieces cuts them, there is no master in memory to view)
+    f.shards = (
+        []
+        if f.master is None
+        else [(gi, a, b, f.master[a - opt_lo : b - opt_lo]) for gi, a, b in f.shard_ranges(bounds)]
+    )
     return f

@@ -62,6 +62,19 @@ The modules, in the order they build on each other:
 - ``state``: the engine's state as DCP entries, ``save``, ``load``, ``read_tensors``;
 - ``checkpointer``: ``Checkpointer``, the driver of periodic saves and resumes.
 
+An engine with ``offload="nvme"`` (``zero.nvme``) writes the same entries: its master weights and
+per-element optimizer state are read from its offload files one item at a time as DCP writes them,
+and a load writes each item it reads into them (``FileEntries``), so neither holds a second copy
+of the state in memory; such a checkpoint loads in memory and the other way round. An async save
+copies the offload files beside themselves (on disk, not into RAM: staging would) and writes from
+the copy; without room for it, the save runs synchronously, with a warning.
+
+A save that meets a full disk (ENOSPC, EDQUOT) removes its partial directory (which would hold
+the space, so every retry failed at the same save), keeps every complete checkpoint and raises
+``CheckpointDiskFull`` (an ``OSError``: ``directory``, ``needed``, ``free``) on every rank. The
+bytes it needs are known before it writes: each rank counts the bytes DCP will have it write
+(replicas once) and one all-reduce, the one that already agrees the directory is fresh, sums them.
+
 This module re-exports what the rest of the project uses; the private pieces are imported from
 their module.
 """
@@ -71,6 +84,7 @@ from .group import new_group
 from .integrity import (
     MANIFEST,
     META,
+    CheckpointDiskFull,
     file_digest,
     finish,
     latest_complete,
@@ -90,6 +104,7 @@ __all__ = [
     "load",
     "read_tensors",
     "Checkpointer",
+    "CheckpointDiskFull",
     "new_group",
     "step_dir",
     "list_checkpoints",

@@ -23,7 +23,13 @@ class Checkpointer:
     written). ``async_save``: ``save`` returns once the state is staged (copied into CPU buffers
     kept for the next save); the finiteness check, DCP's planning and the writes run in a background
     thread, and the manifest follows when every rank has written. A new save, ``latest`` and
-    ``load`` first wait for the previous save. Construct on every rank (it creates a gloo group)."""
+    ``load`` first wait for the previous save. Construct on every rank (it creates a gloo group).
+
+    A full disk: the save removes what it wrote, keeps every complete checkpoint and raises
+    ``CheckpointDiskFull`` (naming the directory, the bytes it needs and the bytes free) on every
+    rank; an async save's failure is raised by the next ``save``, ``latest``, ``load`` or ``close``.
+    The first save warns when the filesystem cannot hold ``keep_last + 1`` checkpoints of its size
+    (the ones kept and the one being written)."""
 
     def __init__(
         self,
@@ -53,6 +59,7 @@ class Checkpointer:
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if async_save else None
         )
         self.last_saved: Path | None = None
+        self._warned_room = False  # the first save checks the room for keep_last + 1 checkpoints
 
     def save(self, step: int, extra: dict | None = None, files: dict | None = None) -> Path:
         self.wait()
@@ -69,7 +76,9 @@ class Checkpointer:
             stager=self._stager,
             executor=self._executor,
             after=functools.partial(prune, self.root, self.keep_last),
+            warn_room_for=None if self._warned_room else self.keep_last + 1,
         )
+        self._warned_room = True
         if fut is None:
             self.last_saved = path
         else:

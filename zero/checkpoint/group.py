@@ -19,19 +19,29 @@ def _distributed(group) -> bool:
 
 
 def _agree(
-    problem: str | None,
+    problem: str | BaseException | None,
     group,
     elsewhere: str = "another rank could not load its part of the checkpoint (see its error)",
-) -> None:
-    """Raise on every rank if any rank has a problem (its own message where it has one), so no rank
-    enters a collective the others have left."""
+    *,
+    count: int | tuple[int, ...] = 0,
+):
+    """Raise on every rank if any rank has a problem (its own message, or exception, where it has
+    one), so no rank enters a collective the others have left. ``count``: this rank's number (or
+    numbers), summed over the ranks in the same all-reduce, e.g. the bytes each rank will write;
+    the sum is returned (a tuple for a tuple)."""
+    numbers = [int(c) for c in (count if isinstance(count, tuple) else (count,))]
     if _distributed(group):
-        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item() and problem is None:
+        # one SUM all-reduce carries both: the flag counts the ranks with a problem
+        box = torch.tensor([0 if problem is None else 1, *numbers], dtype=torch.int64)
+        dist.all_reduce(box, group=group)
+        flagged, *numbers = box.tolist()
+        if flagged and problem is None:
             problem = elsewhere
+    if isinstance(problem, BaseException):
+        raise problem
     if problem is not None:
         raise ValueError(problem)
+    return tuple(numbers) if isinstance(count, tuple) else numbers[0]
 
 
 def new_group(timeout_s: float | None = None):

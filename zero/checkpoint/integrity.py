@@ -3,6 +3,7 @@ the checks that find the newest complete checkpoint (``verify``, ``latest_comple
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,6 +21,43 @@ _READS = (1, 2)
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointDiskFull(OSError):
+    """A save met a full disk (ENOSPC, or EDQUOT: a quota). Raised on every rank alike, after the
+    partial checkpoint was removed; every complete checkpoint is kept. ``directory``: the
+    checkpoint that could not be written; ``needed``: the bytes its data and small files take
+    (summed over the ranks before the save started; DCP's ``.metadata`` and the manifest, a few
+    KiB, not counted); ``free``: what ``shutil.disk_usage`` reports free there after the removal."""
+
+    def __init__(self, directory: str | os.PathLike, needed: int, free: int, complete: list | None = None):
+        self.directory, self.needed, self.free = Path(directory), int(needed), int(free)
+        self.complete = [str(p) for p in complete or []]
+        kept = (
+            f"; the complete checkpoints are kept ({', '.join(Path(p).name for p in self.complete)})"
+            if self.complete
+            else "; there is no complete checkpoint under it"
+        )
+        super().__init__(
+            errno.ENOSPC,
+            f"checkpoint {self.directory}: the disk is full: the save needs {self.needed} bytes and "
+            f"{self.free} bytes are free there (after removing the partial checkpoint){kept}. Free space "
+            f"on that filesystem, lower keep_last, or checkpoint elsewhere",
+        )
+
+    def __reduce__(self):  # raised in a thread or a rank and re-raised elsewhere: keep the fields
+        return (type(self), (self.directory, self.needed, self.free, self.complete))
+
+
+def _is_disk_full(e: BaseException | None) -> bool:
+    """``e`` or an exception it was raised from is a full disk or an exceeded quota."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:

@@ -17,9 +17,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.api import CheckpointException
 
+from ..nvme import FileEntries
 from .group import _agree, _distributed, _rank
-from .integrity import FORMAT, MANIFEST, META, _digest_bytes, _write_manifest, read_meta, verify_together, write_durably
+from .integrity import (
+    FORMAT,
+    MANIFEST,
+    META,
+    CheckpointDiskFull,
+    _digest_bytes,
+    _is_disk_full,
+    _write_manifest,
+    list_checkpoints,
+    read_meta,
+    verify_together,
+    write_durably,
+)
 from .planners import _ChunkLoadPlanner, _ChunkSavePlanner
 from .storage import SafeReader, _Writer
 
@@ -58,17 +72,37 @@ def _set_rng(values: dict[str, torch.Tensor], rank: int) -> None:
         random.setstate((v[0], tuple(v[1:]), None if math.isnan(g) else g))
 
 
-def _entries(engine, rank: int, rng: bool):
+def _entries(engine, rank: int, rng: bool, counted: set | None = None, in_files=None):
     """``(tensors, chunks, scalars)``: the state as DCP entries of views into the engine (no copy),
     the chunk map, and ``(key, tensor, state key)`` of each optimizer scalar (a fresh tensor, so a
-    load can write it back into ``optimizer.state``)."""
+    load can write it back into ``optimizer.state``). ``counted``, when given, receives the keys
+    whose bytes this rank counts towards the size of the whole save (``_share_bytes``).
+
+    With ``offload="nvme"`` the master weights and the per-element optimizer state are in files:
+    their entries are meta tensors registered in ``in_files`` (a ``zero.nvme.FileEntries``, which
+    the planners read and write per item), under the same keys and chunks as in memory, so a
+    checkpoint does not tell how it was saved and loads either way."""
     tensors, chunks, scalars = {}, {}, []
+    counted = set() if counted is None else counted
+    offload = getattr(engine, "_nvme", None)
+    if offload is not None and in_files is None:
+        raise ValueError("an engine with offload='nvme' needs in_files=zero.nvme.FileEntries(...) for its entries")
     for f in engine.flats:
+        # DCP writes a replica once: stage 0 replicates each flat over its group, so its group
+        # rank 0 counts it; a plain tensor (shape, optimizer scalar) counts where its parameter's
+        # global element 0 is held
+        first = f.stage != 0 or f.rank == 0
+        opt_lo = f.opt_range[0]
         for s in f.metadata():  # the parameters inside this rank's master range
             key = PARAM + s.name
-            tensors[key] = f.master[s.shard_range[0] : s.shard_range[1]]
+            if f.master is None:  # in the offload files
+                tensors[key] = in_files.add(key, 0, f, opt_lo + s.shard_range[0], opt_lo + s.shard_range[1])
+            else:
+                tensors[key] = f.master[s.shard_range[0] : s.shard_range[1]]
             chunks[key] = (_global_offset(s), math.prod(s.global_shape))
             tensors[SHAPE + s.name] = torch.tensor(s.global_shape, dtype=torch.int64)
+            if first:
+                counted.update([key] + ([SHAPE + s.name] if _global_offset(s) == 0 else []))
         for _, a, b, t in f.shards:
             for skey, value in engine.optimizer.state.get(t, {}).items():
                 for s in f.metadata(a, b):
@@ -76,6 +110,8 @@ def _entries(engine, rank: int, rng: bool):
                     if _per_element(value, t):
                         tensors[key] = value[s.shard_range[0] : s.shard_range[1]]
                         chunks[key] = (_global_offset(s), math.prod(s.global_shape))
+                        if first:
+                            counted.add(key)
                     else:
                         scalar = (
                             value.detach().clone().cpu()
@@ -84,11 +120,31 @@ def _entries(engine, rank: int, rng: bool):
                         )
                         tensors[key] = scalar
                         scalars.append((key, t, skey))
+                        if first and _global_offset(s) == 0:
+                            counted.add(key)
+        if f.master is None and offload.state_in_files:
+            # per (flat, param group) range, as the in-memory shard tensors are: one chunk per key
+            for _, a, b in f.shard_ranges(f.group_bounds):
+                for s in f.metadata(a, b):
+                    for slot, (skey, _) in enumerate(offload.slots[1:], 1):
+                        key = f"{OPTIM}{skey}/{s.name}"
+                        tensors[key] = in_files.add(key, slot, f, a + s.shard_range[0], a + s.shard_range[1])
+                        chunks[key] = (_global_offset(s), math.prod(s.global_shape))
+                        if first:
+                            counted.add(key)
     for name, buf in _persistent_buffers(engine.module):
         tensors[BUFFER + name] = buf
+        if engine.layout.dp_rank == 0:  # buffers are replicated over dp
+            counted.add(BUFFER + name)
     if rng:
         tensors.update(_rng_entries(rank))
+        counted.update(k for k in tensors if k.startswith(f"{RNG}{rank}/"))
     return tensors, chunks, scalars
+
+
+def _share_bytes(tensors: dict, counted: set) -> int:
+    """The bytes this rank counts towards the whole save (summed over the ranks: what DCP writes)."""
+    return sum(tensors[k].numel() * tensors[k].element_size() for k in counted)
 
 
 def _persistent_buffers(module: torch.nn.Module):
@@ -106,16 +162,21 @@ def _init_optimizer_state(engine) -> None:
     """Create the optimizer's lazily built state (torch optimizers build it in their first step) by
     one step with zero gradients at lr 0, which leaves every weight as it is (weight decay is
     scaled by lr); the load then overwrites the state."""
+    offload = getattr(engine, "_nvme", None)
     shards = [t for f in engine.flats for _, _, _, t in f.shards]
-    if all(engine.optimizer.state.get(t) for t in shards):
+    if offload.state_in_files if offload is not None else all(engine.optimizer.state.get(t) for t in shards):
         return
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
     for g in engine.optimizer.param_groups:
         g["lr"] = 0.0
-    for t in shards:
-        t.grad = torch.zeros_like(t)
+    if offload is None:
+        for t in shards:
+            t.grad = torch.zeros_like(t)
     try:
-        engine.optimizer.step()
+        if offload is not None:  # through the files, a sub-group at a time
+            offload.step(1.0, zero_grads=True)
+        else:
+            engine.optimizer.step()
     finally:
         for t in shards:
             t.grad = None
@@ -132,6 +193,15 @@ warnings.filterwarnings(
 )
 
 
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 def _meta(engine, step: int, extra: dict | None) -> dict:
     layout = engine.layout
     return {
@@ -146,6 +216,7 @@ def _meta(engine, step: int, extra: dict | None) -> dict:
             "ep": layout.ep,
             "stage": engine.stage,
             "offload": engine.offload,
+            "offload_mode": getattr(engine, "offload_mode", "cpu" if engine.offload else "none"),
             "mixed_precision": engine.mixed_precision,
         },
         "optimizer": type(engine.optimizer).__name__,
@@ -189,6 +260,7 @@ def save(
     stager: Stager | None = None,
     executor: concurrent.futures.Executor | None = None,
     after=None,
+    warn_room_for: int | None = None,
 ):
     """Save ``engine``'s state into the directory ``path`` (see ``zero.checkpoint``'s docstring),
     complete with its manifest. A collective over ``group`` (default: every rank). Returns None once
@@ -198,11 +270,31 @@ def save(
     the check that every weight is finite, the directory and ``meta.json``, DCP's planning, the
     writes and the manifest. ``after``: called on rank 0 once the checkpoint is complete (e.g. to
     prune older ones). A save that cannot be made (a non-finite weight, an unwritable directory)
-    raises on every rank, from ``save`` or, async, from the future."""
+    raises on every rank, from ``save`` or, async, from the future; one that meets a full disk
+    removes what it wrote and raises ``CheckpointDiskFull`` (the directory, the bytes it needs, the
+    bytes free) on every rank. ``warn_room_for=n``: warn (rank 0) when the filesystem cannot hold
+    ``n`` checkpoints of this size, counting the ones already under ``path``'s parent."""
     path = Path(path)
     rank = _rank(group)
     step = engine.step_count if step is None else step
-    tensors, chunks, _ = _entries(engine, rank, rng)
+    counted: set = set()
+    offload = getattr(engine, "_nvme", None)
+    in_files = None if offload is None else FileEntries(offload)
+    tensors, chunks, _ = _entries(engine, rank, rng, counted, in_files)
+    snapshot = None
+    if in_files is not None and async_save:
+        # staging would copy the whole offloaded state into RAM, which the offload exists to avoid:
+        # the files are copied beside themselves instead, and the save reads the copy
+        snapshot = offload.snapshot()
+        if snapshot is None:
+            _warn_once(
+                f"async_save with offload='nvme': offload_dir={offload.directory} has no room for a copy of "
+                f"the offload files ({offload.need} bytes), so this save runs synchronously, reading the "
+                f"state from the offload files one item at a time"
+            )
+            async_save = False
+        else:
+            in_files.offload = snapshot
     job = functools.partial(
         _write,
         chunks=chunks,
@@ -212,17 +304,31 @@ def save(
         group=group,
         rank=rank,
         after=after,
+        share=_share_bytes(tensors, counted),
+        warn_room_for=warn_room_for,
+        in_files=in_files,
     )
     if not async_save:
         job(tensors)
         return None
-    staged = (stager or Stager()).stage(tensors)
+    staged = (stager or Stager()).stage({k: v for k, v in tensors.items() if in_files is None or k not in in_files})
+    if in_files is not None:
+        staged.update((k, v) for k, v in tensors.items() if k in in_files)  # meta: read from the snapshot
+        job = functools.partial(_closing, job, snapshot)
     own = executor is None
     executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
     fut = executor.submit(job, staged)
     if own:
         executor.shutdown(wait=False)
     return fut
+
+
+def _closing(job, snapshot, tensors) -> None:
+    """``job(tensors)``, then the snapshot of the offload files it read is closed (its space freed)."""
+    try:
+        job(tensors)
+    finally:
+        snapshot.close()
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -234,55 +340,130 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _write(tensors, *, chunks, path: Path, meta: dict, files, group, rank: int, after) -> None:
+def _write(
+    tensors,
+    *,
+    chunks,
+    path: Path,
+    meta: dict,
+    files,
+    group,
+    rank: int,
+    after,
+    share: int = 0,
+    warn_room_for=None,
+    in_files=None,
+) -> None:
+    def value(k):
+        return in_files.read(k) if in_files is not None and k in in_files else tensors[k]
+
     problem = next(
         (
             f"refusing to save {path}: parameter {k[len(PARAM) :]} holds non-finite values on rank {rank}"
             for k in chunks
-            if k.startswith(PARAM) and not _finite(tensors[k])
+            if k.startswith(PARAM) and not _finite(value(k))
         ),
         None,
     )
     known = {}  # size and checksum of each file, for the manifest
+    small = {META: json.dumps(meta, indent=1), **(files or {})}
+    small = {name: c.encode() if isinstance(c, str) else c for name, c in small.items()}
+    if rank == 0:
+        share += sum(len(c) for c in small.values() if isinstance(c, bytes))
+    full = False  # this rank met a full disk
     if rank == 0 and problem is None:
         try:
             if path.exists():  # an earlier attempt at this step: incomplete from here on, then gone
                 (path / MANIFEST).unlink(missing_ok=True)
                 shutil.rmtree(path)
             path.mkdir(parents=True)
-            for name, content in {META: json.dumps(meta, indent=1), **(files or {})}.items():
-                data = content.encode() if isinstance(content, str) else content
+            for name, data in small.items():
                 write_durably(path / name, data)
                 known[name] = _digest_bytes(data)
         except (OSError, TypeError, ValueError) as e:  # unwritable, or extra not JSON
-            problem = f"cannot save {path}: {type(e).__name__}: {e}"
-    # every rank raises if any cannot save; otherwise the directory is fresh before anyone writes
-    _agree(problem, group, "another rank cannot save (see its error)")
+            full = _is_disk_full(e)
+            problem = None if full else f"cannot save {path}: {type(e).__name__}: {e}"
+    # every rank raises if any cannot save; otherwise the directory is fresh before anyone writes.
+    # The same all-reduce sums what each rank will write (and counts full disks)
+    need, full = _agree(problem, group, "another rank cannot save (see its error)", count=(share, full))
+    if full:
+        _disk_full(path, need, group, rank)
+    if rank == 0 and warn_room_for:
+        _warn_room(path, need, warn_room_for)
     writer = _Writer(path, sync_files=True)
-    dcp.save(
-        tensors,
-        storage_writer=writer,
-        planner=_ChunkSavePlanner(chunks),
-        process_group=group,
-        no_dist=not _distributed(group),
-    )
+    try:
+        dcp.save(
+            tensors,
+            storage_writer=writer,
+            planner=_ChunkSavePlanner(chunks, in_files),
+            process_group=group,
+            no_dist=not _distributed(group),
+        )
+    except CheckpointException as e:
+        # DCP gathers every rank's failure into the exception each rank raises: the same choice everywhere
+        if not any(_is_disk_full(exc) for exc, _ in e.failures.values()):
+            raise
+        _disk_full(path, need, group, rank)
     # DCP's save returns once every rank has written and fsynced its file and rank 0 the metadata
     sums = [writer.sums]
     if _distributed(group):
         sums = [None] * dist.get_world_size(group)
         dist.all_gather_object(sums, writer.sums, group=group)
-    problem = None
+    problem, full = None, False
     if rank == 0:
         for s in sums:
             known.update(s)
         try:
             _write_manifest(path, known)
         except OSError as e:
-            problem = f"cannot complete {path}: writing {MANIFEST} failed: {type(e).__name__}: {e}"
-        if problem is None and after is not None:
+            full = _is_disk_full(e)
+            problem = None if full else f"cannot complete {path}: writing {MANIFEST} failed: {type(e).__name__}: {e}"
+        if problem is None and not full and after is not None:
             after()
     # the save returns on every rank once the checkpoint is complete (or raises on every rank)
-    _agree(problem, group, f"rank 0 could not complete {path} (see its error)")
+    if _agree(problem, group, f"rank 0 could not complete {path} (see its error)", count=full):
+        _disk_full(path, need, group, rank)
+
+
+def _disk_full(path: Path, need: int, group, rank: int) -> None:
+    """After a rank met a full disk, on every rank: rank 0 removes the partial checkpoint (every rank
+    is past its writes: DCP's collective or the agreement saw them all), measures what is free and
+    tells the others; all raise ``CheckpointDiskFull``."""
+    free = 0
+    if rank == 0:
+        (path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        free = _free_bytes(path)
+    free = _agree(None, group, count=free)
+    complete = [p for _, p in list_checkpoints(path.parent) if (p / MANIFEST).is_file()]
+    raise CheckpointDiskFull(path, need, free, complete)
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
+
+
+def _warn_room(path: Path, need: int, room_for: int) -> None:
+    """Warn when ``room_for`` checkpoints of ``need`` bytes do not fit in what is free plus the
+    checkpoints already under ``path``'s parent (which pruning will reclaim)."""
+    held = 0
+    for _, p in list_checkpoints(path.parent):
+        if p != path:
+            held += sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+    free = _free_bytes(path)
+    if free + held < room_for * need:
+        warnings.warn(
+            f"checkpoint directory {path.parent}: {free} bytes are free (and {held} held by older "
+            f"checkpoints), but keep_last + 1 = {room_for} checkpoints of {need} bytes need "
+            f"{room_for * need}: a save will meet a full disk",
+            stacklevel=3,
+        )
 
 
 @torch.no_grad()
@@ -309,7 +490,9 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
     has_optim = any(k.startswith(OPTIM) for k in saved)
     if has_optim:
         _init_optimizer_state(engine)
-    tensors, chunks, scalars = _entries(engine, rank, rng=False)
+    offload = getattr(engine, "_nvme", None)
+    in_files = None if offload is None else FileEntries(offload)
+    tensors, chunks, scalars = _entries(engine, rank, rng=False, in_files=in_files)
     if not has_optim:
         tensors = {k: v for k, v in tensors.items() if not k.startswith(OPTIM)}
         scalars = []
@@ -322,7 +505,7 @@ def load(engine, path: str | os.PathLike, *, group=None, rng: bool = True, check
     dcp.load(
         tensors,
         storage_reader=reader,
-        planner=_ChunkLoadPlanner(chunks),
+        planner=_ChunkLoadPlanner(chunks, in_files),
         process_group=group,
         no_dist=not _distributed(group),
     )
@@ -384,8 +567,10 @@ def _check_against(tensors, chunks, saved, meta, path) -> str | None:
 def _refresh_compute_weights(engine) -> None:
     """After new master weights: the compute weights from them, every replica's full weights
     (stages 1-2, as after a step), and stage 3's gathered blocks are stale."""
+    if getattr(engine, "_nvme", None) is not None:
+        engine._nvme.refresh_compute()  # streamed from the files
     for f in engine.flats:
-        if f.separate_master:
+        if f.separate_master and f.master is not None:
             f.own_compute.copy_(f.master)
     handles = [h for h in (f.launch_param_gather() for f in engine.flats) if h is not None]
     for h in handles:
