@@ -96,14 +96,14 @@ def test_triton_kernels_are_compiled():
     from routing_kernels import triton_ops
 
     assert not _interpret_requested() and not triton_ops.INTERPRETED
-    assert type(triton_ops._permute_kernel).__name__ == "JITFunction"
+    assert type(triton_ops.rows._permute_kernel).__name__ == "JITFunction"
     ids = torch.argsort(torch.rand(64, 8, device="cuda"), dim=1)[:, :2]
     x = torch.randn(64, 32, device="cuda")
     with rk.use_backend("triton"):
         counts, _, dest = rk.routing_metadata(ids, 8)
         rk.permute(x, dest, int(counts.sum()))
     torch.cuda.synchronize()
-    kernels = _compiled_kernels_of(triton_ops._permute_kernel)
+    kernels = _compiled_kernels_of(triton_ops.rows._permute_kernel)
     assert kernels, "the launch left no compiled kernel"
     assert all("cubin" in k.asm or "hsaco" in k.asm for k in kernels), [sorted(k.asm) for k in kernels]
 

@@ -107,7 +107,7 @@ def test_routing_metadata_across_blocks(dtype):
     ids_TK = _ids(61, 3, 6, drop=0.15, only=[0, 2, 3, 5], seed=3).to(dtype)
     ids_TK[40:] = torch.where(ids_TK[40:] >= 0, 2, -1)
     for block_a, block_b in [(16, 4), (16, 2), (32, 16)]:
-        got = triton_ops._routing_metadata_launch(ids_TK, 6, block_a=block_a, block_b=block_b)
+        got = triton_ops.routing._routing_metadata_launch(ids_TK, 6, block_a=block_a, block_b=block_b)
         for g, w in zip(got, ref.routing_metadata(ids_TK, 6)):
             assert torch.equal(g, w)
 
@@ -144,13 +144,13 @@ def test_permute_forward_backward(T, K, E, D, drop, only, blocks, dtype):
     dest_TK, S = _route(T, K, E, drop, only)
     bt, bd = blocks or (None, None)
     x_TD = torch.randn(T, D).to(dtype)
-    x_SD = triton_ops._permute_launch(x_TD, dest_TK, S, block_t=bt, block_d=bd)
+    x_SD = triton_ops.rows._permute_launch(x_TD, dest_TK, S, block_t=bt, block_d=bd)
     assert torch.equal(x_SD, ref.permute(x_TD, dest_TK, S))  # a copy: exact
     # the naive oracle: every kept (t, k) lands on its row
     for t, k in (dest_TK >= 0).nonzero().tolist():
         assert torch.equal(x_SD[dest_TK[t, k]], x_TD[t])
     g_SD = torch.randn(S, D).to(dtype)
-    got = triton_ops._permute_bwd_launch(g_SD, dest_TK, T, block_t=bt, block_d=bd)
+    got = triton_ops.rows._permute_bwd_launch(g_SD, dest_TK, T, block_t=bt, block_d=bd)
     x = x_TD.clone().requires_grad_()
     (want,) = torch.autograd.grad(ref.permute(x, dest_TK, S), x, g_SD)
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -161,7 +161,7 @@ def test_permute_autograd_through_dispatch(dtype):
     dest_TK, S = _route(29, 2, 5, 0.1, [0, 1, 4])
     x = torch.randn(29, 19).to(dtype).requires_grad_()
     out = rk.permute(x, dest_TK, S)
-    assert out.grad_fn._forward_cls is triton_ops._Permute  # the Triton path really ran
+    assert out.grad_fn._forward_cls is triton_ops.rows._Permute  # the Triton path really ran
     g = torch.randn_like(out)
     (got,) = torch.autograd.grad(out, x, g)
     (want,) = torch.autograd.grad(ref.permute(x, dest_TK, S), x, g)
@@ -182,7 +182,7 @@ def test_unpermute_combine_forward_backward(T, K, E, D, drop, only, blocks, dtyp
     bt, bd = blocks or (None, None)
     y_SD = torch.randn(S, D).to(dtype)
     w_TK = torch.rand(T, K).to(dtype)
-    out = triton_ops._unpermute_combine_launch(y_SD, dest_TK, w_TK, block_t=bt, block_d=bd)
+    out = triton_ops.rows._unpermute_combine_launch(y_SD, dest_TK, w_TK, block_t=bt, block_d=bd)
     torch.testing.assert_close(out, ref.unpermute_combine(y_SD, dest_TK, w_TK), **TOL[dtype])
     torch.testing.assert_close(out.double(), _naive_combine(y_SD, dest_TK, w_TK), **TOL[dtype])
 
@@ -190,15 +190,19 @@ def test_unpermute_combine_forward_backward(T, K, E, D, drop, only, blocks, dtyp
     y, w = y_SD.clone().requires_grad_(), w_TK.clone().requires_grad_()
     want_y, want_w = torch.autograd.grad(ref.unpermute_combine(y, dest_TK, w), (y, w), g_TD)
     # block_d below D makes the backward loop over several column tiles with a ragged last one
-    got_y, got_w = triton_ops._unpermute_combine_bwd_launch(
+    got_y, got_w = triton_ops.rows._unpermute_combine_bwd_launch(
         g_TD, y_SD, dest_TK, w_TK, True, True, block_t=bt, block_d=bd
     )
     torch.testing.assert_close(got_y, want_y, **TOL[dtype])
     torch.testing.assert_close(got_w, want_w, **TOL[dtype])
     assert torch.all(got_w[dest_TK < 0] == 0)
-    only_w = triton_ops._unpermute_combine_bwd_launch(g_TD, y_SD, dest_TK, w_TK, False, True, block_t=bt, block_d=bd)
+    only_w = triton_ops.rows._unpermute_combine_bwd_launch(
+        g_TD, y_SD, dest_TK, w_TK, False, True, block_t=bt, block_d=bd
+    )
     assert only_w[0] is None and torch.equal(only_w[1], got_w)
-    only_y = triton_ops._unpermute_combine_bwd_launch(g_TD, y_SD, dest_TK, w_TK, True, False, block_t=bt, block_d=bd)
+    only_y = triton_ops.rows._unpermute_combine_bwd_launch(
+        g_TD, y_SD, dest_TK, w_TK, True, False, block_t=bt, block_d=bd
+    )
     assert only_y[1] is None and torch.equal(only_y[0], got_y)
 
 
@@ -210,7 +214,7 @@ def test_unpermute_combine_autograd_through_dispatch(y_dtype, w_dtype):
     y = torch.randn(S, 21).to(y_dtype).requires_grad_()
     w = torch.rand(31, 2, dtype=w_dtype).requires_grad_()
     out = rk.unpermute_combine(y, dest_TK, w)
-    assert out.grad_fn._forward_cls is triton_ops._UnpermuteCombine
+    assert out.grad_fn._forward_cls is triton_ops.rows._UnpermuteCombine
     want_out = ref.unpermute_combine(y, dest_TK, w)
     torch.testing.assert_close(out, want_out, **TOL[y_dtype])
     g = torch.randn_like(out)
@@ -304,7 +308,7 @@ def test_fused_adamw_matches_reference_and_torch(N, grad_dtype, kw):
         grad = torch.randn(N).to(grad_dtype)
         p, m, v = bufs["triton"]
         # block 256 leaves a ragged last block for every N above
-        triton_ops._fused_adamw_launch(
+        triton_ops.adamw._fused_adamw_launch(
             p,
             grad,
             m,
