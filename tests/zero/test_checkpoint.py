@@ -317,8 +317,8 @@ def _save_format_1(engine, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+    from zero.checkpoint.entries import _entries, _meta
     from zero.checkpoint.planners import _ChunkSavePlanner
-    from zero.checkpoint.state import _entries, _meta
 
     tensors, chunks, _ = _entries(engine, 0, True)
     path.mkdir()

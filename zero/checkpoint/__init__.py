@@ -59,7 +59,9 @@ The modules, in the order they build on each other:
   ``verify``/``verify_together``, ``latest_complete``, ``prune``, ``read_meta``;
 - ``storage``: the bytes of DCP's files: ``_Writer`` (raw items), ``SafeReader``, ``SafeUnpickler``;
 - ``planners``: DCP's save and load planning of 1-D chunks of flattened global tensors;
-- ``state``: the engine's state as DCP entries, ``save``, ``load``, ``read_tensors``;
+- ``entries``: the engine's state as named DCP entries (shards with their global place, buffers, RNG,
+  the metadata);
+- ``state``: ``save`` and ``load`` of those entries (async staging, a full disk), ``read_tensors``;
 - ``checkpointer``: ``Checkpointer``, the driver of periodic saves and resumes.
 
 An engine with ``offload="nvme"`` (``zero.nvme``) writes the same entries: its master weights and
@@ -80,6 +82,7 @@ their module.
 """
 
 from .checkpointer import Checkpointer
+from .entries import BUFFER, OPTIM, PARAM, SHAPE
 from .group import new_group
 from .integrity import (
     MANIFEST,
@@ -96,7 +99,7 @@ from .integrity import (
     verify_together,
     write_durably,
 )
-from .state import BUFFER, OPTIM, PARAM, SHAPE, load, read_tensors, save
+from .state import load, read_tensors, save
 from .storage import SafeReader
 
 __all__ = [
