@@ -25,7 +25,7 @@ case " $checks " in *" mfu "*)
   # a model=base training step (8 x 1024 tokens, bf16 weights, AdamW), eager and with every block
   # compiled: model-FLOPs utilisation against the bf16 8192^3 matmul rate measured in the same run
   echo "== model=base training step MFU"
-  timeout 420 $py -m experiments.bench.moe_layer --device cuda --mfu --compile --reps 10 2>&1 | tee "$out/mfu_base.log";;
+  timeout 420 $py -m experiments.bench.mfu --device cuda --compile --reps 10 2>&1 | tee "$out/mfu_base.log";;
 esac
 case " $checks " in *" hf "*)
   # transformers MoE models stock against moe.hf.patch, bf16. The GPU image has transformers 5.17, with

@@ -21,12 +21,8 @@ sparse layer costs what its FLOPs cost densely). ``--grouped-mm`` also times the
 as one ``torch._grouped_mm`` per weight (where this torch has it) against the per-expert loop, after
 checking that both give the same numbers (the layer itself uses ``_grouped_mm`` in bf16 on sm_90).
 ``--compile`` adds the same pair compiled (``torch.compile`` of the layer and of the dense FFN,
-Inductor): ``dense/layer`` of the compiled pair compares like with like. ``--mfu`` times training
-steps of a ``model=base``-shaped transformer (``BASE``; forward, backward, AdamW; bf16 weights on
-the GPU, every block compiled with ``--compile``) and reports its model-FLOPs utilisation:
-``model_flops`` per step over the step time, divided by a dense matmul's rate measured in the same
-run (8192^3 in the same dtype on the GPU, 2048^3 on the CPU). ``--mfu --tiny`` runs a small variant
-(any device): a check that the code runs, not a figure.
+Inductor): ``dense/layer`` of the compiled pair compares like with like. The training step's MFU
+is ``experiments.bench.mfu``.
 
 Shapes follow the project's legend (docs/design.md).
 """
@@ -44,7 +40,7 @@ import torch
 import routing_kernels as rk
 from experiments.bench.layers import GPU_SHAPES, SHAPES, layer_step, make_layer
 from experiments.bench.timing import cuda_event_median, median_time
-from moe import MoEConfig, MoELayer, Transformer, TransformerConfig
+from moe import MoEConfig, MoELayer
 from moe.experts import DenseFFN
 
 # wall-clock by default; --cpu-time switches to process CPU time, which on one thread leaves out the
@@ -281,121 +277,9 @@ def gpu_main(args) -> None:
 
 # --- a training step's model-FLOPs utilisation ---------------------------------------------------
 
+
 # model=base (conf/model/base.yaml) with moe=mixtral (conf/moe/mixtral.yaml) and data=tokens'
 # vocabulary, as plain values: the GPU box has no hydra (tests/experiments/test_bench.py checks they match)
-BASE = dict(
-    vocab_size=50304,
-    d_model=768,
-    n_layers=12,
-    n_heads=12,
-    d_ff=2048,
-    moe_every=2,
-    tie_embeddings=True,
-    moe=dict(num_experts=8, top_k=2),
-)
-TINY = dict(
-    vocab_size=256,
-    d_model=64,
-    n_layers=2,
-    n_heads=2,
-    d_ff=128,
-    moe_every=2,
-    tie_embeddings=True,
-    moe=dict(num_experts=4, top_k=2),
-)
-
-
-def build_transformer(spec: dict, seq_len: int) -> Transformer:
-    spec = dict(spec)
-    moe_cfg = MoEConfig(d_model=spec["d_model"], d_ff=spec["d_ff"], **spec.pop("moe"))
-    return Transformer(TransformerConfig(**spec, max_seq_len=seq_len, moe=moe_cfg))
-
-
-def model_flops(model: Transformer, tokens: int, seq_len: int) -> float:
-    """Training FLOPs of one step over ``tokens`` tokens: 6 x the parameters a token passes through
-    (its top-k experts, not all; the embedding lookup is free, the tied head is counted once as a
-    matmul) plus the attention scores and values, 12 x layers x d_model x seq_len per token (the
-    convention of the PaLM paper's MFU, causal masking not discounted)."""
-    cfg = model.cfg
-    counts = model.param_counts()
-    matmul_params = counts["active"] - (0 if cfg.tie_embeddings else counts["embedding"])
-    return tokens * (6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * seq_len)
-
-
-def _timer(device: torch.device):
-    if device.type == "cuda":
-        return cuda_event_median
-    return lambda fn, reps: _median_time(fn, reps)
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _timer(device)(lambda: a @ b, reps)
-
-
-def train_step_mfu(
-    spec: dict,
-    batch: int,
-    seq_len: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    compile_blocks: bool,
-    reps: int,
-    matmul_n: int,
-) -> dict:
-    """Median step time of forward + backward + AdamW on a fixed batch, its model FLOP/s, the dense
-    matmul rate measured right after (same device and dtype) and their ratio, the MFU."""
-    torch.manual_seed(0)
-    model = build_transformer(spec, seq_len).to(device=device, dtype=dtype)
-    if compile_blocks:
-        model.compile_blocks()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, spec["vocab_size"], (batch, seq_len + 1), device=device)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = model(ids[:, :-1])
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten()).backward()
-        opt.step()
-
-    step()  # compiles, when compiling; the timer's own warm-up call follows
-    t_step = _timer(device)(step, reps)
-    flops = model_flops(model, batch * seq_len, seq_len)
-    rate = matmul_rate(device, dtype, matmul_n, reps)
-    return {
-        "step_s": t_step,
-        "model_flops": flops,
-        "achieved": flops / t_step,
-        "matmul_rate": rate,
-        "mfu": flops / t_step / rate,
-        "params": model.param_counts(),
-    }
-
-
-def mfu_main(args) -> None:
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    spec, batch, seq_len = (TINY, 2, 32) if args.tiny else (BASE, args.mfu_batch, args.mfu_seq)
-    n = 8192 if device.type == "cuda" else 2048
-    if args.tiny:
-        n = 256
-    variants = [False, True] if args.compile else [False]
-    print(
-        f"training step, {'tiny' if args.tiny else 'model=base'} ({batch} x {seq_len} tokens), {args.dtype} weights, "
-        f"AdamW, {device}"
-    )
-    print("| compiled | step (ms) | model TFLOP/step | achieved TFLOP/s | dense matmul TFLOP/s | MFU |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for compiled in variants:
-        r = train_step_mfu(spec, batch, seq_len, device, dtype, compiled, args.reps, n)
-        print(
-            f"| {'yes' if compiled else 'no'} | {r['step_s'] * 1e3:.1f} | {r['model_flops'] / 1e12:.3f} "
-            f"| {r['achieved'] / 1e12:.1f} | "
-            f"{r['matmul_rate'] / 1e12:.1f} | {r['mfu']:.2f} |"
-        )
-        torch._dynamo.reset()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -406,13 +290,7 @@ def main(argv=None):
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 (CPU), bfloat16 (GPU)"
     )
     ap.add_argument("--grouped-mm", action="store_true", help="GPU: also probe torch._grouped_mm for the experts")
-    ap.add_argument(
-        "--compile", action="store_true", help="GPU and --mfu: also time the torch.compile'd layer / blocks"
-    )
-    ap.add_argument("--mfu", action="store_true", help="time a model=base training step instead and report its MFU")
-    ap.add_argument("--tiny", action="store_true", help="with --mfu: a small model, a check that the code runs")
-    ap.add_argument("--mfu-batch", type=int, default=8, help="with --mfu: sequences per step")
-    ap.add_argument("--mfu-seq", type=int, default=1024, help="with --mfu: tokens per sequence")
+    ap.add_argument("--compile", action="store_true", help="GPU: also time the torch.compile'd layer")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
     ap.add_argument(
@@ -438,10 +316,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible")
-    if args.mfu:
-        args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-        mfu_main(args)
-        return
     if args.device == "cuda":
         args.shapes = args.shapes or list(GPU_SHAPES)
         args.dtype = args.dtype or "bfloat16"

@@ -54,7 +54,7 @@ def test_bench_hf_steps_every_model_on_the_same_weights():
 def test_base_step_spec_matches_the_config_tree():
     # the GPU box runs the MFU step without hydra, from plain values that must stay model=base's
     pytest.importorskip("hydra")
-    from experiments.bench.moe_layer import BASE
+    from experiments.bench.mfu import BASE
     from tests.support.training import cfg_of
 
     cfg = cfg_of("model=base", "data=tokens")
@@ -66,7 +66,7 @@ def test_base_step_spec_matches_the_config_tree():
 
 
 def test_training_step_mfu_runs_on_a_tiny_model():
-    from experiments.bench.moe_layer import TINY, train_step_mfu
+    from experiments.bench.mfu import TINY, train_step_mfu
 
     r = train_step_mfu(TINY, 2, 16, torch.device("cpu"), torch.float32, compile_blocks=False, reps=1, matmul_n=64)
     assert r["step_s"] > 0 and r["model_flops"] > 6 * r["params"]["active"] * 32 and 0 < r["mfu"]
