@@ -91,6 +91,7 @@ def test_nothing_fits_says_what_the_smallest_layout_needs(capsys, tmp_path):
     assert "| NO |" in stdout
 
 
+@pytest.mark.distributed
 def test_calibrate_writes_a_profile_that_loads(tmp_path):
     out = tmp_path / "here.yaml"
     proc = subprocess.run(
