@@ -15,6 +15,7 @@ from moe import MoEConfig
 from moe.costs import model_costs
 from moe.model import Transformer, TransformerConfig
 from zero.memory import count_params
+from zero.plan import load_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,6 +151,41 @@ def test_saved_activations_per_layer_within_ten_percent_of_autograds(name, kerne
     per_layer = per_layer[:-2] + [per_layer[-2] + per_layer[-1]]  # the head: final norm, lm_head, loss
     for b, got in zip(costs.blocks, per_layer):
         assert b.act_bytes * B * L == pytest.approx(got, rel=0.1), b.name
+
+
+def test_the_cpu_kernels_kept_buffers_are_its_pools(monkeypatch):
+    # the CPU expert kernel's pool keeps its buffers from step to step: after two steps, what each
+    # MoE layer's pool holds beyond the saved hiddens (h1, h3: activations) and the weight gradients
+    # (p.grad: model states) is the planner's kernel_buffers, buffer for buffer (dropless: the rows
+    # are T * K every step; tokens mode, one process)
+    from routing_kernels.cpu.pool import BufferPool, pool_for
+    from zero.plan import LayoutRecord
+    from zero.plan.terms import _Costing
+
+    monkeypatch.setattr(BufferPool, "min_bytes", 0)  # a tiny layer's buffers are pooled too
+    cfg = CONFIGS["mha, moe every other"]
+    B, L = 4, 32
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    costs = model_costs(cfg, L, experts="fused")
+    x = torch.randint(0, V, (B, L))
+    with rk.use_expert_backend("cpu_blocks"):
+        for _ in range(2):
+            nnf.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
+            model.zero_grad(set_to_none=True)
+    cst = _Costing(LayoutRecord(world=1, batch_size=B), costs, load_profile("cpu_2core"), skew=None)
+    layers = model.moe_layers()
+    moe_costs = [b for b in costs.blocks if b.is_moe]
+    assert len(layers) == len(moe_costs) >= 1
+    for layer, b in zip(layers, moe_costs):
+        slots = pool_for(layer.experts.w1)._slots
+        kept = sum(
+            buf.untyped_storage().nbytes()
+            for slot, bufs in slots.items()
+            if slot not in ("h1", "h3", "dw1", "dw2", "dw3")
+            for buf, _ in bufs
+        )
+        assert cst.pooled(b) == kept > 0, (b.name, {k: [tuple(t.shape) for t, _ in v] for k, v in slots.items()})
 
 
 _VIEWS = {"view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze", "squeeze", "permute"}
