@@ -376,11 +376,14 @@ class Trainer:
         peaks[layout.rank] = -1.0 if mine is None else float(mine)
         all_reduce_(peaks, layout)
         measured = [None if v < 0 else int(v) for v in peaks.tolist()]
-        predicted = self.plan_info["predicted_peak_bytes"] if self.plan_info else None
+        predicted = None
+        if self.plan_info:  # on the CPU the offloaded optimizer state is in the same memory
+            predicted = self.plan_info["predicted_peak_bytes"]
+            predicted += self.plan_info["predicted_host_bytes"] if self.device.type != "cuda" else 0.0
         return {
             "measured_peak_bytes": measured,  # by rank
             "method": self.memory.method,
-            "predicted_peak_bytes": predicted,
+            "predicted_peak_bytes": predicted,  # the busiest rank's (+ its offloaded state on the CPU)
             "measured_over_predicted": (max(measured) / predicted if predicted and None not in measured else None),
         }
 
