@@ -4,6 +4,8 @@ dense FFNs, MoE layers with shared experts, and tied embeddings."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as nnf
@@ -153,17 +155,19 @@ def test_saved_activations_per_layer_within_ten_percent_of_autograds(name, kerne
         assert b.act_bytes * B * L == pytest.approx(got, rel=0.1), b.name
 
 
-def test_the_cpu_kernels_kept_buffers_are_its_pools(monkeypatch):
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_the_cpu_kernels_kept_buffers_are_its_pools(monkeypatch, ckpt):
     # the CPU expert kernel's pool keeps its buffers from step to step: after two steps, what each
     # MoE layer's pool holds beyond the saved hiddens (h1, h3: activations) and the weight gradients
     # (p.grad: model states) is the planner's kernel_buffers, buffer for buffer (dropless: the rows
-    # are T * K every step; tokens mode, one process)
+    # are T * K every step; tokens mode, one process); under checkpointing the hiddens too (idle
+    # in the pool between the forward and the recomputation)
     from routing_kernels.cpu.pool import BufferPool, pool_for
     from zero.plan import LayoutRecord
     from zero.plan.terms import _Costing
 
     monkeypatch.setattr(BufferPool, "min_bytes", 0)  # a tiny layer's buffers are pooled too
-    cfg = CONFIGS["mha, moe every other"]
+    cfg = dataclasses.replace(CONFIGS["mha, moe every other"], checkpoint_activations=ckpt)
     B, L = 4, 32
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -173,7 +177,8 @@ def test_the_cpu_kernels_kept_buffers_are_its_pools(monkeypatch):
         for _ in range(2):
             nnf.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
             model.zero_grad(set_to_none=True)
-    cst = _Costing(LayoutRecord(world=1, batch_size=B), costs, load_profile("cpu_2core"), skew=None)
+    rec = LayoutRecord(world=1, batch_size=B, checkpoint_activations=ckpt)
+    cst = _Costing(rec, costs, load_profile("cpu_2core"), skew=None)
     layers = model.moe_layers()
     moe_costs = [b for b in costs.blocks if b.is_moe]
     assert len(layers) == len(moe_costs) >= 1
@@ -182,7 +187,7 @@ def test_the_cpu_kernels_kept_buffers_are_its_pools(monkeypatch):
         kept = sum(
             buf.untyped_storage().nbytes()
             for slot, bufs in slots.items()
-            if slot not in ("h1", "h3", "dw1", "dw2", "dw3")
+            if slot not in ("dw1", "dw2", "dw3") + (() if ckpt else ("h1", "h3"))
             for buf, _ in bufs
         )
         assert cst.pooled(b) == kept > 0, (b.name, {k: [tuple(t.shape) for t, _ in v] for k, v in slots.items()})

@@ -30,7 +30,8 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
                     the peak (activations, gradients and it together); else the largest
     kernel_buffers  what kernels keep allocated from step to step beyond what they save: the CPU
                     expert kernel's buffer pool (``routing_kernels.cpu.pool``: per MoE layer its
-                    block scratch and row buffers of 1 MB or more, one lane: one thread per rank)
+                    block scratch and row buffers of 1 MB or more, one lane: one thread per rank;
+                    under activation checkpointing also its saved hiddens, idle between passes)
 
 Step time. Each matrix product at the profile's FLOP/s for its size, each elementwise byte at its
 memory bandwidth, each operator a fixed overhead, and each collective by the α-β model of its link
@@ -176,7 +177,11 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
                 parts["gathered_params"] = max(pairs) + root
         work = [blocks[j].transient_bytes * T for j in layers]
         if ckpt:
-            work = [w + blocks[j].act_bytes * T + _extra_rows_ckpt(cst, blocks[j]) for w, j in zip(work, layers)]
+            # the recomputed block's activations (its kernel's saved buffers are kernel_buffers)
+            work = [
+                w + blocks[j].act_bytes * T + _extra_rows_ckpt(cst, blocks[j]) - cst.pooled(blocks[j], saved_only=True)
+                for w, j in zip(work, layers)
+            ]
         workspace = max(work, default=0.0)
         if plan is None:
             acts = [saved(j) for j in layers]

@@ -53,8 +53,10 @@ class BlockCost:
     # what the layer's kernel keeps allocated from step to step beyond what it saves (the CPU expert
     # kernel's buffer pool): buffers of rows x width elements, (kind, width, mode); rows by kind:
     # "block" pool_block_rows (a block buffer is whole however few rows use it), "rows" the routed
-    # rows ("rows+1" and a zero row), "tokens" the layer's tokens;
-    # mode "tokens" (ep = 1), "rows" (ep > 1, rows in expert order) or "both"; each buffer is kept
+    # rows ("rows+1" and a zero row), "tokens" the layer's tokens, "bound" the kernel's static bound
+    # on the rows (the worst case; ep > 1: the rows received);
+    # mode "tokens" (ep = 1), "rows" (ep > 1, rows in expert order), "both", or "ckpt" (what the
+    # layer saves, idle in the pool between passes under activation checkpointing); each buffer is kept
     # only at pool_min_bytes or more (smaller ones come from the heap)
     pool_buffers: tuple[tuple[str, int, str], ...] = ()
     pool_block_rows: int = 0

@@ -90,18 +90,25 @@ class _Costing:
         worst = bound if self.skew is None else min(self.skew * mean, bound)
         return mean, max(worst, mean)
 
-    def pooled(self, b: BlockCost) -> float:
-        """Bytes layer ``b``'s kernel keeps from step to step (``BlockCost.pool_buffers``), one lane."""
-        mode = "rows" if self.rec.ep > 1 else "tokens"
-        routed = self.rows(b)[0] if b.is_moe else 0.0
+    def pooled(self, b: BlockCost, saved_only: bool = False) -> float:
+        """Bytes layer ``b``'s kernel keeps from step to step (``BlockCost.pool_buffers``), one lane;
+        ``saved_only``: of those, the buffers of what the layer saves, idle under checkpointing."""
+        rec = self.rec
+        modes = {"both", "rows" if rec.ep > 1 else "tokens"} | ({"ckpt"} if rec.checkpoint_activations else set())
+        if saved_only:
+            modes = {"ckpt"} & modes
+        mean, worst = self.rows(b) if b.is_moe else (0.0, 0.0)
+        # the saved buffers' rows: the kernel's static bound (tokens mode) or the rows received
+        bound = mean if rec.ep > 1 else worst
         c = 2 if self.dtype == "bf16" else 4
         total = 0.0
         for kind, width, m in b.pool_buffers:
-            if m not in ("both", mode):
+            if m not in modes:
                 continue
-            rows = {"block": b.pool_block_rows, "rows": routed, "rows+1": routed + 1, "tokens": self.tokens}[kind]
-            if rows * width * c >= b.pool_min_bytes:
-                total += rows * width * c
+            rows = {"block": b.pool_block_rows, "rows": mean, "rows+1": mean + 1, "tokens": self.tokens, "bound": bound}
+            nbytes = rows[kind] * width * c
+            if nbytes >= b.pool_min_bytes:
+                total += nbytes
         return total
 
     def compute(self, b: BlockCost) -> dict[str, float]:
