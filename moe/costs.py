@@ -109,6 +109,23 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
 EXPERT_KERNELS = ("grouped", "fused")
 
 
+def _fused_pool(D: int, F: int, swiglu: bool) -> dict:
+    """The buffers the CPU expert kernel's pool (``routing_kernels.cpu.blocks``) keeps per layer
+    beyond what autograd saves (h1, h3) and the weight gradients (p.grad), one lane: the forward's
+    activation block and the backward's four scratch blocks ([block, F]); in tokens mode the
+    gathered-input and gradient blocks ([block, D]), the rows buffer ([rows + 1, D]: the forward's
+    outputs, then the backward's input gradients) and the layer's output and input gradient in
+    token order ([T, D]); in rows mode the output and input-gradient rows ([rows, D]); under
+    activation checkpointing h1 (and h3), which the pool keeps while the block is not recomputed."""
+    from routing_kernels.cpu.lanes import ROW_BLOCK
+    from routing_kernels.cpu.pool import BufferPool
+
+    bufs = [("block", F, "both")] * 5 + [("block", D, "tokens")] * 2 + [("rows+1", D, "tokens")]
+    bufs += [("tokens", D, "tokens")] * 2 + [("rows", D, "rows")] * 2
+    bufs += [("bound", F, "ckpt")] * (2 if swiglu else 1)  # h1 (and h3)
+    return dict(pool_buffers=tuple(bufs), pool_block_rows=ROW_BLOCK, pool_min_bytes=BufferPool.min_bytes)
+
+
 def model_costs(
     cfg: TransformerConfig, seq_len: int, act_dtype: str = "fp32", name: str = "", experts: str = "grouped"
 ) -> ModelCosts:
@@ -168,7 +185,8 @@ def model_costs(
                 row_saved = c * m.d_ff * (2 if m.activation == "swiglu" else 1) + 12
             saved += K * row_saved
             wgrad += e_wgrad
-            transient = max(transient, e_transient + 2 * c * D * K)
+            # the fused kernel's backward works in its pool's blocks (kernel_buffers), not in [rows, F] temporaries
+            transient = max(transient, (e_transient if experts == "grouped" else 0) + 2 * c * D * K)
             if m.num_shared_experts:
                 s_mms, s_params, s_saved, s_wgrad, s_transient = _ffn(
                     D, m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c
@@ -195,6 +213,8 @@ def model_costs(
                 stats_bytes=8 * (2 * E + 4),
                 routing_bytes=K * (8 + 4),  # ids (long) and weights (fp32) of each token's slots
             )
+            if experts == "fused":
+                moe_fields.update(_fused_pool(D, m.d_ff, m.activation == "swiglu"))
         else:
             f_mms, f_params, f_saved, f_wgrad, f_transient = _ffn(D, cfg.d_ff, "swiglu", c)
             mms += f_mms

@@ -15,9 +15,13 @@ averaged over ``--rounds`` runs of the layout made round robin (minutes apart). 
 shared: its other work's load (``background_load``, in busy processes) is measured for 2 s before
 each run and the prediction made with it.
 Measured model-state bytes: ``zero.measure_memory`` of the engine after the last step's gradient
-reduction (the largest over the ranks). Printed: each layout's predicted and measured step time
-and memory, the mean absolute error in percent and Spearman's rank correlation of the step times,
-and the largest relative error of the model-state bytes.
+reduction (the largest over the ranks). Measured peak: the trainer's ``summary.json`` memory (the
+CPU allocator's high-water mark through the profiler over the build and the first two steps,
+``experiments.training.peak_memory``), the busiest rank's against the predicted peak (the busiest
+rank's; with offload plus its host bytes: one memory on the CPU). Printed: each layout's
+predicted and measured step time and memory, the mean absolute error in percent and Spearman's rank
+correlation of the step times, the largest relative error of the model-state bytes and the peak's
+mean and largest relative error.
 
 (b) DeepSeek-V3 (671B, MLA, 256 routed experts + 1 shared, top-8) on 2048 H800 as published (PP16
 DualPipe, EP64, ZeRO-1; 180K H800 GPU-hours per trillion tokens, i.e. ~1,540 tokens/s per GPU, batch
@@ -57,6 +61,7 @@ BASE = [
     "train.checkpoint.every=0",
     "train.resume=none",
     "optim.warmup_steps=2",
+    "train.memory_steps=2",  # the peak-memory meter's window: the steps timed (after the first two) run unwatched
 ]
 
 # (world, layout fields): 2 and 4 ranks, every dimension the planner searches
@@ -102,10 +107,10 @@ def _rank_fn(rank, world, overrides, run_dir):
         conf = Path(__file__).resolve().parents[2] / "conf"
         with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
             cfg = compose("train", overrides=overrides)
-        train(cfg, run_dir=run_dir)  # every rank the same: only rank 0 writes
+        summary = train(cfg, run_dir=run_dir)  # every rank the same: only rank 0 writes
     finally:
         ZeroEngine._wait_reductions = original
-    return seen["memory"]["device_total"]
+    return seen["memory"]["device_total"], summary["memory"]["measured_peak_bytes"]
 
 
 def _spearman(a, b) -> float:
@@ -150,7 +155,7 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
             overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
-                mem = run_distributed(_rank_fn, rec.world, overrides, str(Path(tmp) / "run"), timeout=900)
+                got = run_distributed(_rank_fn, rec.world, overrides, str(Path(tmp) / "run"), timeout=900)
                 wall = time.perf_counter() - t0
                 lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
             times = [tokens / json.loads(x)["tokens_per_s"] for x in lines][2:]  # the first two warm up
@@ -160,15 +165,21 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
                 step_times=times,
                 background_load=profile.background_load,
                 predicted_model_states=pred.memory_parts["model_states"],
-                measured_model_states=max(mem),
-                predicted_peak=pred.memory_bytes,
+                measured_model_states=max(m for m, _ in got),
+                # the CPU ranks' one memory holds the offloaded optimizer state too
+                predicted_peak=pred.memory_bytes + pred.host_bytes,
+                predicted_parts=pred.memory_parts,
+                measured_peak=max(got[0][1]),  # the busiest rank's, as the prediction is
+                measured_peaks=got[0][1],
                 wall_s=wall,
             )
             runs[i].append(run)
             print(
                 f"| {rnd + 1} | {rec.world} | {rec.label()} | {run['background_load']:.1f} | {pred.step_s:.3f} "
                 f"| {run['measured_s']:.3f} | {abs(pred.step_s - run['measured_s']) / run['measured_s']:.0%} "
-                f"| {run['predicted_model_states'] / 1e6:.3f} | {run['measured_model_states'] / 1e6:.3f} |",
+                f"| {run['predicted_model_states'] / 1e6:.3f} | {run['measured_model_states'] / 1e6:.3f} "
+                f"| {run['predicted_peak'] / 1e6:.2f} | {run['measured_peak'] / 1e6:.2f} "
+                f"| {run['measured_peak'] / run['predicted_peak'] - 1:+.1%} |",
                 flush=True,
             )
     rows = []
@@ -184,12 +195,16 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
                 measured_s=statistics.mean(r["measured_s"] for r in rs),
                 predicted_model_states=rs[0]["predicted_model_states"],
                 measured_model_states=max(r["measured_model_states"] for r in rs),
+                predicted_peak=rs[0]["predicted_peak"],
+                measured_peak=max(r["measured_peak"] for r in rs),
             )
         )
     p = np.array([r["predicted_s"] for r in rows])
     m = np.array([r["measured_s"] for r in rows])
     pm = np.array([r["predicted_model_states"] for r in rows])
     mm = np.array([r["measured_model_states"] for r in rows])
+    pk = np.array([r["predicted_peak"] for r in rows])
+    mk = np.array([r["measured_peak"] for r in rows])
     # how well the machine repeats itself: one layout's runs against their mean
     spread = [np.std([r["measured_s"] for r in row["runs"]]) / row["measured_s"] for row in rows] if rounds > 1 else [0]
     summary = dict(
@@ -199,12 +214,17 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
         step_spearman=_spearman(p, m),
         repeat_spread_pct=float(np.mean(spread) * 100),
         model_states_max_rel_err=float(np.max(np.abs(pm - mm) / mm)),
+        peak_mean_abs_err_pct=float(np.mean(np.abs(pk - mk) / mk) * 100),
+        peak_max_abs_err_pct=float(np.max(np.abs(pk - mk) / mk) * 100),
+        peak_within_5pct=int(np.sum(np.abs(pk - mk) / mk <= 0.05)),
     )
     print(
         f"\n{summary['layouts']} layouts x {rounds} runs (each the mean of its runs): step time MAE "
         f"{summary['step_mae_pct']:.1f}%, Spearman rho {summary['step_spearman']:.2f}; a layout's runs spread "
         f"{summary['repeat_spread_pct']:.0f}% (std / mean) on this shared machine; model-state bytes within "
-        f"{summary['model_states_max_rel_err']:.2%} of measured"
+        f"{summary['model_states_max_rel_err']:.2%} of measured; peak memory (the busiest rank's) off by "
+        f"{summary['peak_mean_abs_err_pct']:.1f}% on average, {summary['peak_max_abs_err_pct']:.1f}% at most, "
+        f"{summary['peak_within_5pct']} of {len(rows)} within 5%"
     )
     return dict(rows=rows, summary=summary)
 
@@ -383,9 +403,9 @@ def main(argv=None) -> int:
     if "a" in a.part:
         print(
             "| run | ranks | layout | background load | predicted s/step | measured s/step | error "
-            "| predicted model states (MB) | measured (MB) |"
+            "| predicted model states (MB) | measured (MB) | predicted peak (MB) | measured peak (MB) | peak error |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         results["a"] = part_a(a.steps, a.quick, a.rounds)
     if "b" in a.part:
         results["b"] = part_b(a.skew)

@@ -45,6 +45,8 @@ from experiments.training.data import LMData, build_data
 from experiments.training.evaluate import evaluate, lm_loss
 from experiments.training.nonfinite import StepGuard
 from experiments.training.optim import lr_at
+from experiments.training.peak_memory import PeakMemory
+from experiments.training.preflight import held_layout_keys, plan_before_build, world_size
 from experiments.training.stats import MoEStatSums, RowSums, all_reduce_, sum_over_stages
 from experiments.training.tracking import MetricsFile, finite_or_none, hydra_job_info, make_tracker, to_json
 from zero.pipeline import Pipeline
@@ -61,6 +63,10 @@ class Trainer:
         layout: zero.Layout | None = None,
         data: LMData | None = None,
     ):
+        # parallel=auto picks the layout, and the preflight checks its memory, before anything is
+        # allocated or any collective runs (from the world size alone: every rank the same)
+        world = layout.world if layout is not None else world_size()
+        self.plan_info = plan_before_build(cfg, world, held_layout_keys() if cfg.parallel.auto else None)
         plan = build_plan(cfg)  # a bad pipeline config stops here, before any process group
         layout = layout or build_layout(cfg.parallel, cfg.moe.num_experts if cfg.model.moe_every else None)
         check_config(cfg, layout, plan)
@@ -76,6 +82,8 @@ class Trainer:
         if data.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"data vocabulary {data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
         self.data = data
+        # this rank's peak of tensor memory from here (the corpus is not counted): summary.json
+        self.memory = PeakMemory(device, int(cfg.train.memory_steps)).start()
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
         random.seed(cfg.seed)  # and Python's generator (checkpoints carry its state) for code that uses it
         model = build_model(cfg, layout).to(device)
@@ -102,6 +110,7 @@ class Trainer:
             self._prepare_run(all_layers, layer_index)
         except BaseException:  # the signal handlers and the checkpoint thread are not left behind
             self.ckpts.close()
+            self.memory.close()
             raise
         if self.rank0:
             self._describe()
@@ -200,6 +209,7 @@ class Trainer:
         # (the loss is the last stage's; other stages hand a zero)
         finite = self.guard.flags(loss_step, stats.aux_M / self.forwards, stats.z_M / self.forwards)
         gnorm = torch.as_tensor(self.engine.step(extra_finite=finite), dtype=torch.float32, device=self.device)
+        self.memory.step_done()
         self.sums.steps_run += 1
         if self.guard.update(self.engine, step + 1):
             self.guard.discard_load()
@@ -316,6 +326,7 @@ class Trainer:
             bar.close()
             self.metrics.close()
             self.ckpts.close()
+            self.memory.close()
             if self.rank0:
                 self.tracker.finish(failed=True)
             raise
@@ -353,6 +364,27 @@ class Trainer:
             "tokens_per_s": (done - self.start) * self.tokens_per_step / wall,  # of the steps this run trained
             "overrides": hydra_job_info().get("overrides", []),
             "layout": {"world": layout.world, "rank": layout.rank, "dp": layout.dp, "ep": layout.ep, "pp": layout.pp},
+            "plan": self.plan_info,  # parallel=auto's pick and the preflight's prediction (null: neither ran)
+            "memory": self._memory_summary(),
+        }
+
+    def _memory_summary(self) -> dict:
+        """Every rank's measured peak of tensor bytes (``peak_memory``; a collective: every rank
+        calls it), beside the predicted peak of the busiest rank."""
+        layout, mine = self.layout, self.memory.peak()
+        peaks = torch.zeros(layout.world, dtype=torch.float64, device=self.device)
+        peaks[layout.rank] = -1.0 if mine is None else float(mine)
+        all_reduce_(peaks, layout)
+        measured = [None if v < 0 else int(v) for v in peaks.tolist()]
+        predicted = None
+        if self.plan_info:  # on the CPU the offloaded optimizer state is in the same memory
+            predicted = self.plan_info["predicted_peak_bytes"]
+            predicted += self.plan_info["predicted_host_bytes"] if self.device.type != "cuda" else 0.0
+        return {
+            "measured_peak_bytes": measured,  # by rank
+            "method": self.memory.method,
+            "predicted_peak_bytes": predicted,  # the busiest rank's (+ its offloaded state on the CPU)
+            "measured_over_predicted": (max(measured) / predicted if predicted and None not in measured else None),
         }
 
     def report(self, summary: dict) -> None:

@@ -130,6 +130,12 @@ class TrainLoopConfig:
     max_bad_steps: int = 10
     # torch.compile each transformer block (its forward; the module hooks stay eager), see the README
     compile: bool = False
+    # before anything is allocated: the layout's predicted peak memory per rank (zero.plan) against
+    # the device's (experiments.training.preflight); false skips the check
+    preflight: bool = True
+    preflight_budget_bytes: float | None = None  # one rank's budget instead of the device's memory
+    plan_cluster: str | None = None  # the profile (conf/cluster) preflight and parallel=auto plan with; null: by device
+    memory_steps: int = 3  # CPU: optimizer steps the peak-memory meter watches after the build; 0: none
 
 
 @dataclass
@@ -147,6 +153,7 @@ class ParallelConfig:
     # fp32 everywhere, or bf16 compute weights/grads with fp32 master + moments (stages 1-3)
     zero_mixed_precision: str = "fp32"
     timeout_s: float = 300.0  # a collective waiting longer than this (a dead rank) ends the run with an error
+    auto: bool = False  # the planner's fastest layout for the world size (conf/parallel/auto.yaml)
 
 
 @dataclass

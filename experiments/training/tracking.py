@@ -95,6 +95,10 @@ class WandbTracker(Tracker):
             for k, v in summary.items():
                 if isinstance(v, (int, float, str)):
                     self.run.summary[k] = v
+                elif isinstance(v, dict):  # one level down: plan/layout, memory/predicted_peak_bytes, ...
+                    for sub, x in v.items():
+                        if isinstance(x, (int, float, str)):
+                            self.run.summary[f"{k}/{sub}"] = x
         self.run.finish(exit_code=1 if failed else 0)  # a crashed run shows as failed, not finished
 
 

@@ -4,6 +4,8 @@ dense FFNs, MoE layers with shared experts, and tied embeddings."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as nnf
@@ -15,6 +17,7 @@ from moe import MoEConfig
 from moe.costs import model_costs
 from moe.model import Transformer, TransformerConfig
 from zero.memory import count_params
+from zero.plan import load_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,6 +153,44 @@ def test_saved_activations_per_layer_within_ten_percent_of_autograds(name, kerne
     per_layer = per_layer[:-2] + [per_layer[-2] + per_layer[-1]]  # the head: final norm, lm_head, loss
     for b, got in zip(costs.blocks, per_layer):
         assert b.act_bytes * B * L == pytest.approx(got, rel=0.1), b.name
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_the_cpu_kernels_kept_buffers_are_its_pools(monkeypatch, ckpt):
+    # the CPU expert kernel's pool keeps its buffers from step to step: after two steps, what each
+    # MoE layer's pool holds beyond the saved hiddens (h1, h3: activations) and the weight gradients
+    # (p.grad: model states) is the planner's kernel_buffers, buffer for buffer (dropless: the rows
+    # are T * K every step; tokens mode, one process); under checkpointing the hiddens too (idle
+    # in the pool between the forward and the recomputation)
+    from routing_kernels.cpu.pool import BufferPool, pool_for
+    from zero.plan import LayoutRecord
+    from zero.plan.terms import _Costing
+
+    monkeypatch.setattr(BufferPool, "min_bytes", 0)  # a tiny layer's buffers are pooled too
+    cfg = dataclasses.replace(CONFIGS["mha, moe every other"], checkpoint_activations=ckpt)
+    B, L = 4, 32
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    costs = model_costs(cfg, L, experts="fused")
+    x = torch.randint(0, V, (B, L))
+    with rk.use_expert_backend("cpu_blocks"):
+        for _ in range(2):
+            nnf.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
+            model.zero_grad(set_to_none=True)
+    rec = LayoutRecord(world=1, batch_size=B, checkpoint_activations=ckpt)
+    cst = _Costing(rec, costs, load_profile("cpu_2core"), skew=None)
+    layers = model.moe_layers()
+    moe_costs = [b for b in costs.blocks if b.is_moe]
+    assert len(layers) == len(moe_costs) >= 1
+    for layer, b in zip(layers, moe_costs):
+        slots = pool_for(layer.experts.w1)._slots
+        kept = sum(
+            buf.untyped_storage().nbytes()
+            for slot, bufs in slots.items()
+            if slot not in ("dw1", "dw2", "dw3") + (() if ckpt else ("h1", "h3"))
+            for buf, _ in bufs
+        )
+        assert cst.pooled(b) == kept > 0, (b.name, {k: [tuple(t.shape) for t, _ in v] for k, v in slots.items()})
 
 
 _VIEWS = {"view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze", "squeeze", "permute"}

@@ -25,7 +25,13 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
                     worst case: every token of the ep group routed to this rank's experts)
     a2a_buffers     one MoE layer's send and receive buffers of rows (worst case)
     workspace       the backward's working memory of one layer (the loss's fp32 logits at the
-                    head), and with activation checkpointing the recomputed block's activations
+                    head), and with activation checkpointing the recomputed block's activations:
+                    without a pipeline and accumulation, the layer's whose backward is running at
+                    the peak (activations, gradients and it together); else the largest
+    kernel_buffers  what kernels keep allocated from step to step beyond what they save: the CPU
+                    expert kernel's buffer pool (``routing_kernels.cpu.pool``: per MoE layer its
+                    block scratch and row buffers of 1 MB or more, one lane: one thread per rank;
+                    under activation checkpointing also its saved hiddens, idle between passes)
 
 Step time. Each matrix product at the profile's FLOP/s for its size, each elementwise byte at its
 memory bandwidth, each operator a fixed overhead, and each collective by the α-β model of its link
@@ -48,326 +54,14 @@ parallelism, kernel fusion beyond a fixed per-operator cost, network contention 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 from ..memory import predict_memory
 from .enumerate import LayoutRecord
-from .profile import Profile, bus_factor, steps
+from .profile import Profile
+from .records import PARTS, BlockCost, MatMul, ModelCosts, Prediction
 from .schedule import live_plan, simulate_plan
+from .terms import _Costing, _layer_terms
 
-# Adam (torch's foreach/fused AdamW) per parameter of this rank's shard, bytes through memory:
-# the master weight, both moments read and written (3 x 4 x 2), the gradient read, scaled by 1/dp
-# and clip in place (c x 3), the compute weight written back (c), the norm's read (c)
-_ADAM_FP32_BYTES = 24
-
-
-@dataclass(frozen=True)
-class MatMul:
-    """One matrix product of a block's forward, per token: ``[rows, k] @ [k, n]``."""
-
-    k: int
-    n: int
-    rows_per_token: float = 1.0  # rows per token (top_k for the routed experts)
-    expert: bool = False  # the routed experts' product: rows spread over the experts
-    weight: bool = True  # False: attention's scores and weighted values (no weight gradient)
-    fixed_rows: int | None = None  # the rows of one product when they are not tokens (attention: L)
-    work: float = 1.0  # share of the product computed (causal attention skips the upper half)
-    count: int = 1  # products of this shape per token (attention: the heads)
-
-    def flops_per_token(self) -> float:
-        return 2.0 * self.k * self.n * self.rows_per_token * self.count * self.work
-
-
-@dataclass(frozen=True)
-class BlockCost:
-    """One pipeline layer's costs. Counts are of the whole model (``params_expert``: every
-    expert of the layer); bytes are per token and in the dtypes the model runs in."""
-
-    name: str
-    params_dense: int = 0
-    params_expert: int = 0
-    matmuls: tuple[MatMul, ...] = ()
-    elementwise_bytes: float = 0.0  # forward: bytes the non-matmul operators read and write
-    ops: int = 0  # forward operators launched (the backward launches about twice as many)
-    act_bytes: float = 0.0  # saved for backward
-    act_bytes_checkpointed: float = 0.0  # saved under activation checkpointing (the block's input)
-    wgrad_bytes: float = 0.0  # of act_bytes: what the weight pass still needs after the input pass
-    transient_bytes: float = 0.0  # the backward's working memory beyond what is saved
-    boundary_bytes: float = 0.0  # handed to the next layer (a pipeline's point-to-point)
-    # MoE layers
-    num_experts: int = 0
-    top_k: int = 0
-    capacity_factor: float | None = None
-    expert_row_bytes: float = 0.0  # saved per routed row (part of act_bytes at top_k rows per token)
-    row_bytes: float = 0.0  # one routed row as the All-to-All moves it
-    stats_bytes: float = 0.0  # the routing statistics all-reduced over dp each forward
-    routing_bytes: float = 0.0  # per token, what a capacity's decision gathers over dp (ids and weights)
-    shares_params_with: int | None = None  # tied: the layer whose weight this one uses (held once)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-
-@dataclass(frozen=True)
-class ModelCosts:
-    blocks: tuple[BlockCost, ...]
-    seq_len: int
-    act_dtype: str = "fp32"  # what the matrix products run in: fp32 or bf16
-    name: str = ""
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_experts(self) -> int | None:
-        es = {b.num_experts for b in self.blocks if b.is_moe}
-        if len(es) > 1:
-            raise ValueError(f"MoE layers with different expert counts {sorted(es)}: one ep cannot divide all")
-        return es.pop() if es else None
-
-    @property
-    def tied(self) -> tuple[int, int] | None:
-        for i, b in enumerate(self.blocks):
-            if b.shares_params_with is not None:
-                return (b.shares_params_with, i)
-        return None
-
-    def param_counts(self) -> dict[str, int]:
-        return {
-            "dense": sum(b.params_dense for b in self.blocks),
-            "expert": sum(b.params_expert for b in self.blocks),
-        }
-
-    def model_flops_per_token(self) -> float:
-        """Training FLOPs per token, forward and backward (3x the forward's matrix products), the
-        MFU convention: causal attention not discounted, no recomputation."""
-        total = 0.0
-        for b in self.blocks:
-            for mm in b.matmuls:
-                total += 3 * mm.flops_per_token() / mm.work
-        return total
-
-
-@dataclass(frozen=True)
-class Prediction:
-    memory_bytes: float  # the busiest rank's device peak
-    memory_parts: dict[str, float]  # adds up to memory_bytes
-    step_s: float
-    time_parts: dict[str, float] = field(default_factory=dict)  # seconds, a breakdown (not a sum)
-    host_bytes: float = 0.0  # per rank: ZeRO-Offload's optimizer state in host memory
-    fits: bool = True
-    tokens_per_s: float = 0.0  # global
-    bubble: float = 0.0  # the pipeline's idle fraction (0 without a pipeline)
-    live_microbatches: int = 1  # the most micro-batches' activations alive at once on a rank
-
-    def to_dict(self) -> dict:
-        return {
-            "memory_bytes": self.memory_bytes,
-            "memory_parts": dict(self.memory_parts),
-            "step_s": self.step_s,
-            "time_parts": dict(self.time_parts),
-            "host_bytes": self.host_bytes,
-            "fits": self.fits,
-            "tokens_per_s": self.tokens_per_s,
-            "bubble": self.bubble,
-            "live_microbatches": self.live_microbatches,
-        }
-
-
-PARTS = ("model_states", "gathered_params", "grad_buffers", "activations", "expert_rows", "a2a_buffers", "workspace")
-
-
-class _Groups:
-    """The process groups of one rank (the first of its pipeline stage), as ``zero.Layout`` builds
-    them, and which link tier each one's collectives cross."""
-
-    def __init__(self, rec: LayoutRecord, node_size: int, pp_rank: int = 0):
-        dp, ep, base = rec.dp, rec.ep, pp_rank * rec.dp
-        self.node_size = node_size
-        self.dp = list(range(base, base + dp))
-        self.ep = list(range(base, base + ep))
-        self.edp = list(range(base, base + dp, ep))
-
-    def nodes(self, ranks) -> int:
-        # groups are runs of ranks with one stride: count the nodes from the ends
-        if len(ranks) < 2:
-            return 1
-        first, stride = ranks[0], ranks[1] - ranks[0]
-        if stride >= self.node_size:
-            return len(ranks)
-        return ranks[-1] // self.node_size - first // self.node_size + 1
-
-
-class _Costing:
-    """Times and bytes of one layout on one profile (the pieces ``predict`` combines)."""
-
-    def __init__(self, rec: LayoutRecord, costs: ModelCosts, profile: Profile, skew: float | None):
-        self.rec, self.costs, self.profile, self.skew = rec, costs, profile, skew
-        self.c_w = 2 if rec.mixed_precision == "bf16" else 4  # the engine's compute weights and gradients
-        self.dtype = "bf16" if (costs.act_dtype == "bf16" or rec.mixed_precision == "bf16") else "fp32"
-        self.tokens = rec.micro_rows * costs.seq_len  # of one micro-batch on one rank
-        self.groups = _Groups(rec, profile.node_size)
-        # ranks of one node share its compute slots (a CPU's cores) with each other and with the
-        # node's other work: each gets slots / (ranks + background) of one when that is below 1
-        per_node = min(rec.world, profile.node_size)
-        self.contention = max(1.0, (per_node + profile.background_load) / profile.slots)
-
-    # ----- collectives ---------------------------------------------------------------------------
-    def coll(self, op: str, nbytes: float, ranks) -> float:
-        n = len(ranks)
-        if n <= 1 or nbytes < 0:
-            return 0.0
-        p = self.profile
-        nodes = self.groups.nodes(ranks)
-        if nodes == 1:
-            return p.link("intra", op).time(op, nbytes, n)
-        if op != "all_to_all":
-            return p.link("inter", op).time(op, nbytes, n)
-        # All-to-All: the bytes to peers of this node go over the intra links, the rest over the
-        # inter ones, both at once; the steps are paid on the slower tier
-        local = n // nodes
-        intra, inter = p.link("intra", op), p.link("inter", op)
-        t_intra = bus_factor(op, n) * nbytes * (local - 1) / (n - 1) / intra.beta
-        t_inter = bus_factor(op, n) * nbytes * (n - local) / (n - 1) / inter.beta
-        return steps(op, n) * inter.alpha + max(t_intra, t_inter)
-
-    def p2p(self, nbytes: float, a: int, b: int) -> float:
-        tier = "intra" if a // self.profile.node_size == b // self.profile.node_size else "inter"
-        return self.profile.link(tier, "p2p").time("p2p", nbytes, 2)
-
-    # ----- one layer -----------------------------------------------------------------------------
-    def rows(self, b: BlockCost) -> tuple[float, float]:
-        """(mean, worst case) routed rows this rank's experts take in one micro-batch."""
-        rec, T = self.rec, self.tokens
-        X = b.num_experts // rec.ep
-        mean = T * b.top_k
-        bound = rec.ep * T * min(b.top_k, X)  # every token of the ep group sent here, once per local expert
-        if b.capacity_factor is not None:
-            # capacity decides over the whole dp batch (moe.router), ceil(cf k T_dp / E) per expert
-            cap = math.ceil(b.capacity_factor * b.top_k * T * rec.dp / b.num_experts)
-            worst = min(X * cap, bound)
-            return min(mean, worst), worst
-        worst = bound if self.skew is None else min(self.skew * mean, bound)
-        return mean, max(worst, mean)
-
-    def compute(self, b: BlockCost) -> dict[str, float]:
-        """Seconds of one micro-batch's F, I and W passes of layer ``b`` on this rank, compute only."""
-        p, rec, T = self.profile, self.rec, self.tokens
-        f = i = w = 0.0
-        for mm in b.matmuls:
-            if mm.expert:
-                X = b.num_experts // rec.ep
-                rows = T * mm.rows_per_token * rec.ep / b.num_experts  # per local expert, mean load
-                flops = 2.0 * mm.k * mm.n * rows * X * mm.work
-            else:
-                rows = mm.fixed_rows or T * mm.rows_per_token
-                flops = mm.flops_per_token() * T
-            t = flops / p.matmul_rate(self.dtype, rows, mm.k, mm.n)
-            if mm.weight:  # the roofline: a thin product is bound by its operands' bytes
-                c = 2 if self.dtype == "bf16" else 4
-                products = b.num_experts // rec.ep if mm.expert else 1
-                t = max(t, c * products * (rows * mm.k + mm.k * mm.n + rows * mm.n) / p.memory_bandwidth)
-            f += t
-            if mm.weight:
-                i += t
-                w += t
-            else:  # attention's backward: dQ, dK, dV and the recomputed scores, ~2.5x its forward
-                i += 2.5 * t
-        held = b.params_dense + b.params_expert / rec.ep
-        weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
-        elem = T * b.elementwise_bytes / p.memory_bandwidth
-        # the backward dispatches ~1.7x the forward's operators (counted: 1.5x for an MoE block,
-        # 1.9x for a dense one) and moves ~2.3x its bytes, most of both for the input gradient
-        f += elem + weights + b.ops * p.op_overhead_s
-        i += 1.6 * elem + weights + 1.2 * b.ops * p.op_overhead_s
-        w += 0.7 * elem + weights + 0.5 * b.ops * p.op_overhead_s
-        k = self.contention
-        return {"F": f * k, "I": i * k, "W": w * k}
-
-    def moe_comm(self, b: BlockCost) -> dict[str, float]:
-        """Synchronous communication of an MoE layer per micro-batch: F and I (the backward)."""
-        if not b.is_moe:
-            return {"F": 0.0, "I": 0.0}
-        rec, g = self.rec, self.groups
-        f = i = 0.0
-        if rec.dp > 1:
-            f += self.coll("all_reduce", b.stats_bytes, g.dp)
-            if b.capacity_factor is not None:
-                f += self.coll("all_gather", b.routing_bytes * self.tokens * rec.dp, g.dp)
-        if rec.ep > 1:
-            mean, _ = self.rows(b)
-            a2a = self.coll("all_to_all", mean * b.row_bytes, g.ep)
-            counts = self.coll("all_to_all", 8 * b.num_experts, g.ep)
-            f += 2 * a2a + counts  # dispatch and combine, and the counts before them
-            i += 2 * a2a
-        return {"F": f, "I": i}
-
-    def gather(self, b: BlockCost) -> float:
-        """ZeRO-3: the all-gather of one layer's weights."""
-        rec, g = self.rec, self.groups
-        if rec.zero_stage != 3 or b.shares_params_with is not None:
-            return 0.0
-        t = self.coll("all_gather", b.params_dense * self.c_w, g.dp)
-        if rec.edp > 1:
-            t += self.coll("all_gather", b.params_expert / rec.ep * self.c_w, g.edp)
-        return t
-
-    def reduce(self, b: BlockCost) -> float:
-        """The gradient reduction of one layer: all-reduce (ZeRO-0) or reduce-scatter (1-3), dense
-        over dp and expert over edp."""
-        rec, g = self.rec, self.groups
-        op = "all_reduce" if rec.zero_stage == 0 else "reduce_scatter"
-        return self.coll(op, b.params_dense * self.c_w, g.dp) + self.coll(
-            op, b.params_expert / rec.ep * self.c_w, g.edp
-        )
-
-    def post_step_gather(self, layers) -> float:
-        rec, g = self.rec, self.groups
-        if rec.zero_stage not in (1, 2):
-            return 0.0
-        dense = sum(b.params_dense for b in layers)
-        expert = sum(b.params_expert for b in layers) / rec.ep
-        return self.coll("all_gather", dense * self.c_w, g.dp) + self.coll("all_gather", expert * self.c_w, g.edp)
-
-    def optimizer(self, layers) -> float:
-        rec, p = self.rec, self.profile
-        dense = sum(b.params_dense for b in layers)
-        expert = sum(b.params_expert for b in layers) / rec.ep
-        n = dense / (rec.dp if rec.zero_stage else 1) + expert / (rec.edp if rec.zero_stage else 1)
-        if rec.zero_offload:
-            # gradients out to the host and the updated compute weights back, one direction each
-            copies = 2 * n * self.c_w / p.host_link_bandwidth
-            return n / p.host_adam_params_per_s + copies
-        return n * (_ADAM_FP32_BYTES + 3 * self.c_w) / p.memory_bandwidth * self.contention
-
-
-# per-layer terms depend on fewer keys than a layout has (not on offload, checkpointing, the
-# schedule): cached across the thousands of layouts one enumeration predicts. The key holds the
-# costs and profile objects themselves, so their ids cannot be reused while an entry lives
-_TERMS: dict = {}
-
-
-def _layer_terms(cst: _Costing):
-    rec = cst.rec
-    key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.micro_rows, rec.zero_stage)
-    key += (rec.mixed_precision, cst.skew)
-    hit = _TERMS.get(key)
-    if hit is not None and hit[0] is cst.costs and hit[1] is cst.profile:
-        return hit[2]
-    blocks = cst.costs.blocks
-    terms = (
-        [cst.compute(b) for b in blocks],
-        [cst.moe_comm(b) for b in blocks],
-        [cst.gather(b) for b in blocks],
-        [cst.reduce(b) for b in blocks],
-    )
-    if len(_TERMS) > 4096:
-        _TERMS.clear()
-    _TERMS[key] = (cst.costs, cst.profile, terms)
-    return terms
+__all__ = ["PARTS", "BlockCost", "MatMul", "ModelCosts", "Prediction", "predict"]
 
 
 def _stream(compute: list[float], comm: list[float]) -> float:
@@ -481,19 +175,29 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
                 own = [0.0 if _is_tied(blocks, j) else f for j, f in zip(layers, full)]
                 pairs = [own[a] + own[a + 1] for a in range(len(own) - 1)] or own
                 parts["gathered_params"] = max(pairs) + root
+        work = [blocks[j].transient_bytes * T for j in layers]
+        if ckpt:
+            # the recomputed block's activations (its kernel's saved buffers are kernel_buffers)
+            work = [
+                w + blocks[j].act_bytes * T + _extra_rows_ckpt(cst, blocks[j]) - cst.pooled(blocks[j], saved_only=True)
+                for w, j in zip(work, layers)
+            ]
+        workspace = max(work, default=0.0)
         if plan is None:
             acts = [saved(j) for j in layers]
             xs = [extra_rows(j) for j in layers]
             if rec.grad_accum == 1:
-                # one backward: activations drain layer by layer as gradient buffers fill
+                # one backward: activations drain layer by layer as gradient buffers fill, and the
+                # working memory is the layer's whose backward runs
                 best, arg = -1.0, 0
                 for k in range(len(layers)):
-                    v = sum(acts[: k + 1]) + sum(xs[: k + 1]) + sum(grad_full[k:])
+                    v = sum(acts[: k + 1]) + sum(xs[: k + 1]) + sum(grad_full[k:]) + work[k]
                     if v > best:
                         best, arg = v, k
                 parts["activations"] = sum(acts[: arg + 1])
                 parts["expert_rows"] = sum(xs[: arg + 1])
                 parts["grad_buffers"] = sum(grad_full[arg:])
+                workspace = work[arg]
             else:  # earlier micro-batches' gradients are all there while the last one runs
                 parts["activations"], parts["expert_rows"] = sum(acts), sum(xs)
                 parts["grad_buffers"] = sum(grad_full)
@@ -505,10 +209,8 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
         moe_layers = [blocks[j] for j in layers if blocks[j].is_moe]
         if rec.ep > 1 and moe_layers:
             parts["a2a_buffers"] = max(2 * cst.rows(b)[1] * b.row_bytes for b in moe_layers)
-        work = [blocks[j].transient_bytes * T for j in layers]
-        if ckpt:
-            work = [w + blocks[j].act_bytes * T + _extra_rows_ckpt(cst, blocks[j]) for w, j in zip(work, layers)]
-        parts["workspace"] = max(work, default=0.0)
+        parts["workspace"] = workspace
+        parts["kernel_buffers"] = sum(cst.pooled(blocks[j]) for j in layers)
         per_rank.append((sum(parts.values()), parts, ms["host_total"], count))
     mem, parts, host, _ = max(per_rank, key=lambda x: x[0])
     count = max(x[3] for x in per_rank)

@@ -1,0 +1,107 @@
+"""Each rank's measured peak of tensor memory, for ``summary.json`` beside the planner's prediction.
+
+On CUDA: ``torch.cuda.max_memory_allocated`` of the rank's device, its peak statistics reset when
+the meter starts (before the model is built).
+
+On the CPU, torch keeps no allocator statistics, and the process's RSS also counts the Python
+heap, the libraries and pages the allocator has not returned, so the meter asks the allocator
+itself through the profiler: ``torch.profiler`` with ``profile_memory=True`` makes torch's CPU
+allocator (``c10::ProfiledCPUMemoryReporter``) report every allocation and free, with its size,
+from the start of the window. The peak is the high-water mark of the running sum of those sizes,
+in time order: the bytes of every CPU block allocated since the meter started and still alive,
+whether a tensor's storage, a view's base or a storage ``resize_`` (ZeRO-3 frees its gathered
+blocks that way). Blocks allocated before the start (the corpus, whatever the caller built) are
+not counted, nor are their frees. Threads the profiler does not follow (not the training thread or
+autograd's) are not seen. The profiler records every operator too, so the window is short: the
+build and the first ``train.memory_steps`` optimizer steps (the first step allocates the optimizer
+state; the next ones run with it); a later step whose routing sends more rows to this rank's
+experts than any of those is not seen. While the window lasts, steps run a few percent slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+CPU_METHOD = "torch.profiler(profile_memory=True): CPU allocator's allocations and frees, high-water of their sum"
+CUDA_METHOD = "torch.cuda.max_memory_allocated"
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's start and stop print kineto's trace lines straight to fd 2: dropped."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def high_water(events) -> int:
+    """The largest running sum of ``(time, nbytes)`` allocation (+) and free (-) events, in time order."""
+    cur = peak = 0
+    for _, n in sorted(events, key=lambda e: e[0]):
+        cur += n
+        peak = max(peak, cur)
+    return peak
+
+
+class PeakMemory:
+    """The meter of one rank: ``start()``, ``step_done()`` after each optimizer step, ``peak()``."""
+
+    def __init__(self, device: torch.device, steps: int = 3):
+        self.device, self.steps = device, int(steps)
+        self.cuda = device.type == "cuda"
+        self.method = CUDA_METHOD if self.cuda else (CPU_METHOD if self.steps > 0 else None)
+        self._prof = None
+        self._peak: int | None = None
+        self._seen = 0
+
+    def start(self) -> PeakMemory:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.steps > 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _quiet_stderr():
+                self._prof.start()
+        return self
+
+    def step_done(self) -> None:
+        self._seen += 1
+        if self._prof is not None and self._seen >= self.steps:
+            self._finish()
+
+    def _finish(self) -> None:
+        prof, self._prof = self._prof, None
+        with _quiet_stderr():
+            prof.stop()
+        events = prof.profiler.kineto_results.events()
+        self._peak = high_water((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        self.window_steps = self._seen
+
+    def peak(self) -> int | None:
+        """Bytes: the device's peak since ``start``; None when nothing was measured
+        (``train.memory_steps=0`` on the CPU)."""
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self._prof is not None:
+            self._finish()
+        return self._peak
+
+    def close(self) -> None:
+        """Stop a window still open (a run that failed or stopped early); nothing is reported."""
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            with _quiet_stderr():
+                prof.stop()

@@ -1,0 +1,213 @@
+"""The trainer's preflight (a layout predicted not to fit stops before anything is built),
+``parallel=auto`` (the planner's fastest layout that fits), and the measured peak memory in
+summary.json (``experiments.training.peak_memory``) against planted allocations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import zero.plan as zplan
+from experiments.plan import costs_of
+from experiments.training import loop
+from experiments.training.peak_memory import PeakMemory, high_water
+from experiments.training.preflight import PreflightError, profile_of, record_of, resolve_auto
+from tests.support.dist import run_distributed
+from tests.support.training import LOSS_RTOL, TINY, cfg_of, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = [*TINY, "logger=none"]
+CPU = torch.device("cpu")
+
+
+def _reference_ranking(cfg, world):
+    """Every layout of ``world`` ranks with its prediction, fastest first, straight from zero.plan:
+    what the trainer's choices are checked against."""
+    profile = profile_of(cfg, CPU)
+    costs = costs_of(cfg, profile)
+    recs = zplan.enumerate(costs, world=world, batch_size=int(cfg.train.batch_size), mixed_precision="fp32")
+    ranked = [(r, zplan.predict(r, costs, profile)) for r in recs]
+    ranked.sort(key=lambda rp: (rp[1].step_s, rp[1].memory_bytes))
+    return ranked
+
+
+def _need(p):
+    """One CPU rank's bytes: the device is the host, so an offloaded optimizer state counts too."""
+    return p.memory_bytes + p.host_bytes
+
+
+def _nothing_may_be_built(monkeypatch):
+    """The preflight must stop the trainer before any of these runs."""
+
+    def refuse(what):
+        def fail(*a, **k):
+            raise AssertionError(f"{what} ran before the preflight refused the layout")
+
+        return fail
+
+    monkeypatch.setattr(loop, "build_layout", refuse("build_layout (process groups)"))
+    monkeypatch.setattr(loop, "build_data", refuse("build_data"))
+    monkeypatch.setattr(loop, "build_model", refuse("build_model"))
+    monkeypatch.setattr(torch.distributed, "init_process_group", refuse("init_process_group"))
+    monkeypatch.setattr(loop.PeakMemory, "start", refuse("the memory meter"))
+
+
+def test_an_over_budget_layout_is_refused_before_anything_is_built(monkeypatch):
+    cfg = cfg_of(*BASE)
+    ranked = _reference_ranking(cfg, 1)
+    mine = dict(ranked)[record_of(cfg, 1)]
+    # a budget the chosen layout (ZeRO-0, no checkpointing) exceeds but checkpointed layouts fit
+    budget = int(_need(mine)) - 1
+    fitting = [(r, p) for r, p in ranked if _need(p) <= budget]
+    assert fitting, "the test needs layouts under the budget"
+    _nothing_may_be_built(monkeypatch)
+    with pytest.raises(PreflightError) as e:
+        loop.Trainer(cfg_of(*BASE, f"train.preflight_budget_bytes={budget}"))
+    msg = str(e.value)
+    assert f"predicted to need {mine.memory_bytes:,.0f} bytes" in msg and f"budget of {budget:,} bytes" in msg
+    for part, v in mine.memory_parts.items():
+        if v:
+            assert f"{part} {v:,.0f}" in msg
+    # the three fastest layouts under the budget, in order, each with its overrides
+    listed = [line.strip() for line in msg.splitlines() if line.startswith("  ")]
+    assert len(listed) == min(3, len(fitting))
+    for line, (r, p) in zip(listed, fitting):
+        assert line.startswith(r.label() + ":") and line.endswith(" ".join(r.overrides())), (line, r.label())
+        assert f" {_need(p) / 1e9:.4g} GB per rank, {p.step_s:.4g} s/step" in line, line
+
+
+def test_nothing_fits_is_said_and_preflight_false_skips(monkeypatch, tmp_path, stdlib):
+    with pytest.raises(PreflightError, match="no layout of 1 ranks fits"):
+        loop.Trainer(cfg_of(*BASE, "train.preflight_budget_bytes=1000"), data=stdlib)
+    summary = run(cfg_of(*BASE, "train.preflight_budget_bytes=1000", "train.preflight=false"), tmp_path, stdlib)
+    assert summary["plan"] is None and summary["memory"]["predicted_peak_bytes"] is None
+    assert len(summary["train_losses"]) == 2
+
+
+def test_a_fitting_layout_runs_and_reports_its_prediction_and_measured_peak(tmp_path, stdlib):
+    cfg = cfg_of(*BASE, "parallel.zero_stage=1", "model.checkpoint_activations=true")
+    ref = dict(_reference_ranking(cfg, 1))[record_of(cfg, 1)]
+    summary = run(cfg, tmp_path, stdlib)
+    plan = json.loads((tmp_path / "run" / "summary.json").read_text())["plan"]
+    assert plan["auto"] is False and plan["layout"] == "pp1 dp1 ep1 z1 ckpt"
+    assert plan["predicted_peak_bytes"] == ref.memory_bytes and plan["predicted_parts"] == ref.memory_parts
+    mem = summary["memory"]
+    assert mem["predicted_peak_bytes"] == ref.memory_bytes
+    (peak,) = mem["measured_peak_bytes"]
+    # at least the model states the engine holds (weights, gradients, Adam's moments)
+    assert peak >= 16 * summary["params_total"]
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("train.preflight_budget_bytes=-1", "train.preflight_budget_bytes=-1.0 is invalid"),
+        ("train.memory_steps=-1", "train.memory_steps=-1 is invalid"),
+        ("train.plan_cluster=nope", "train.plan_cluster='nope' is invalid: .*valid names are"),
+    ],
+)
+def test_bad_plan_keys_are_named_before_anything_is_built(monkeypatch, override, match):
+    _nothing_may_be_built(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        loop.Trainer(cfg_of(*BASE, override))
+
+
+def test_auto_runs_the_fastest_layout_that_fits(tmp_path, stdlib):
+    cfg = cfg_of(*BASE)
+    ranked = _reference_ranking(cfg, 1)
+    summary = run(cfg_of(*BASE, "parallel=auto"), tmp_path, stdlib)
+    assert summary["plan"]["auto"] is True and summary["plan"]["layout"] == ranked[0][0].label()
+    assert summary["plan"]["layouts_ranked"] == len(ranked)
+    # a budget the fastest exceeds: the fastest under it
+    budget = int(_need(ranked[0][1])) - 1
+    expect = next(r for r, p in ranked if _need(p) <= budget)
+    summary = run(cfg_of(*BASE, "parallel=auto", f"train.preflight_budget_bytes={budget}"), tmp_path, stdlib, "b")
+    assert summary["plan"]["layout"] == expect.label() != ranked[0][0].label()
+    assert summary["plan"]["overrides"] == expect.overrides()
+
+
+def test_auto_holds_the_keys_given():
+    cfg = cfg_of(*BASE, "parallel=auto")
+    rec, _, n = resolve_auto(cfg, 2, {"zero_stage": 3, "checkpoint_activations": True})
+    ranked = [(r, p) for r, p in _reference_ranking(cfg_of(*BASE), 2) if r.zero_stage == 3 and r.checkpoint_activations]
+    assert n == len(ranked) and rec == ranked[0][0]
+    # the config now asks for it
+    assert (cfg.parallel.zero_stage, cfg.model.checkpoint_activations, cfg.parallel.pp) == (3, True, rec.pp)
+    with pytest.raises(ValueError, match="leave parallel.pp_layers null"):
+        resolve_auto(cfg_of(*BASE, "parallel=auto", "parallel.pp_layers=[2,2]"), 2)
+
+
+def _auto_rank(rank, world, overrides, run_dir):
+    from experiments.train import train
+
+    torch.set_num_threads(1)
+    return train(cfg_of(*overrides), run_dir=run_dir)
+
+
+@pytest.mark.distributed
+def test_auto_on_two_gloo_ranks_trains_like_one_process(tmp_path, stdlib):
+    overrides = [*BASE, "parallel=auto", "train.steps=3", "train.eval_every=3"]
+    got = run_distributed(_auto_rank, 2, overrides, tmp_path / "auto", timeout=400)
+    expect = _reference_ranking(cfg_of(*BASE), 2)[0][0]
+    on_disk = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    for s in (*got, on_disk):
+        assert s["plan"]["layout"] == expect.label() and s["plan"]["overrides"] == expect.overrides()
+    assert [s["layout"]["pp"] for s in got] == [expect.pp] * 2 and [s["layout"]["ep"] for s in got] == [expect.ep] * 2
+    assert len(on_disk["memory"]["measured_peak_bytes"]) == 2 and None not in on_disk["memory"]["measured_peak_bytes"]
+    # the same global batch on one process: the same losses (the layouts' own tolerance)
+    single = run(cfg_of(*BASE, "train.steps=3", "train.eval_every=3"), tmp_path, stdlib, "single")
+    torch.testing.assert_close(got[0]["train_losses"], single["train_losses"], rtol=LOSS_RTOL, atol=0)
+
+
+# ----- the measured peak ---------------------------------------------------------------------------
+
+MiB = 1 << 20
+
+
+def test_high_water_is_the_largest_running_sum_in_time_order():
+    assert high_water([(3, -4), (1, 4), (2, 6), (4, 1)]) == 10
+    assert high_water([]) == 0
+
+
+def test_cpu_meter_counts_planted_allocations_exactly():
+    keep = torch.ones(1000)  # allocated before the start: neither it nor its free counts
+    meter = PeakMemory(CPU, steps=1).start()
+    a = torch.empty(8 * MiB // 4)
+    del keep, a
+    b = torch.empty(2 * MiB // 4)
+    c = torch.empty(3 * MiB // 4)  # with b: 5 MiB < 8 MiB
+    s = torch.empty(MiB // 4)
+    s.untyped_storage().resize_(0)  # ZeRO-3's free and gather: resize_ reaches the allocator
+    s.untyped_storage().resize_(5 * MiB)  # 2 + 3 + 5 = 10 MiB alive
+    meter.step_done()  # the window closes
+    d = torch.empty(64 * MiB // 4)  # after the window: not seen
+    assert meter.peak() == 10 * MiB
+    del b, c, s, d
+
+
+def test_cpu_meter_off_and_closed():
+    meter = PeakMemory(CPU, steps=0).start()
+    assert meter.peak() is None and meter.method is None
+    meter = PeakMemory(CPU, steps=2).start()
+    meter.close()  # a failed run: the profiler is stopped, nothing reported
+    assert meter.peak() is None
+
+
+def test_the_trainers_peak_moves_by_a_planted_allocation(monkeypatch, tmp_path, stdlib):
+    cfg = [*BASE, "train.eval_every=100", "train.memory_steps=2"]
+    plain = run(cfg_of(*cfg), tmp_path, stdlib, "plain")["memory"]["measured_peak_bytes"][0]
+    step = loop.Trainer.train_step
+
+    def planted(self, i):
+        ballast = torch.ones(32 * MiB // 4)  # alive through the whole step: forward, backward, optimizer
+        out = step(self, i)
+        del ballast
+        return out
+
+    monkeypatch.setattr(loop.Trainer, "train_step", planted)
+    got = run(cfg_of(*cfg), tmp_path, stdlib, "planted")["memory"]["measured_peak_bytes"][0]
+    # the same allocations in the same order (a fixed seed, one thread) plus the ballast under the peak
+    assert got - plain == 32 * MiB

@@ -1,0 +1,228 @@
+"""The per-layer terms of one layout on one profile (``_Costing``): each layer's compute time per
+pass, its MoE layer's synchronous communication, ZeRO-3's gather and the gradient reduction, the
+optimizer, and which link tier a group's collectives cross (``_Groups``); ``_layer_terms`` caches
+them across the layouts of one enumeration. ``zero.plan.cost.predict`` combines them."""
+
+from __future__ import annotations
+
+import math
+
+from .enumerate import LayoutRecord
+from .profile import Profile, bus_factor, steps
+from .records import BlockCost, ModelCosts
+
+# Adam (torch's foreach/fused AdamW) per parameter of this rank's shard, bytes through memory:
+# the master weight, both moments read and written (3 x 4 x 2), the gradient read, scaled by 1/dp
+# and clip in place (c x 3), the compute weight written back (c), the norm's read (c)
+_ADAM_FP32_BYTES = 24
+
+
+class _Groups:
+    """The process groups of one rank (the first of its pipeline stage), as ``zero.Layout`` builds
+    them, and which link tier each one's collectives cross."""
+
+    def __init__(self, rec: LayoutRecord, node_size: int, pp_rank: int = 0):
+        dp, ep, base = rec.dp, rec.ep, pp_rank * rec.dp
+        self.node_size = node_size
+        self.dp = list(range(base, base + dp))
+        self.ep = list(range(base, base + ep))
+        self.edp = list(range(base, base + dp, ep))
+
+    def nodes(self, ranks) -> int:
+        # groups are runs of ranks with one stride: count the nodes from the ends
+        if len(ranks) < 2:
+            return 1
+        first, stride = ranks[0], ranks[1] - ranks[0]
+        if stride >= self.node_size:
+            return len(ranks)
+        return ranks[-1] // self.node_size - first // self.node_size + 1
+
+
+class _Costing:
+    """Times and bytes of one layout on one profile (the pieces ``predict`` combines)."""
+
+    def __init__(self, rec: LayoutRecord, costs: ModelCosts, profile: Profile, skew: float | None):
+        self.rec, self.costs, self.profile, self.skew = rec, costs, profile, skew
+        self.c_w = 2 if rec.mixed_precision == "bf16" else 4  # the engine's compute weights and gradients
+        self.dtype = "bf16" if (costs.act_dtype == "bf16" or rec.mixed_precision == "bf16") else "fp32"
+        self.tokens = rec.micro_rows * costs.seq_len  # of one micro-batch on one rank
+        self.groups = _Groups(rec, profile.node_size)
+        # ranks of one node share its compute slots (a CPU's cores) with each other and with the
+        # node's other work: each gets slots / (ranks + background) of one when that is below 1
+        per_node = min(rec.world, profile.node_size)
+        self.contention = max(1.0, (per_node + profile.background_load) / profile.slots)
+
+    # ----- collectives ---------------------------------------------------------------------------
+    def coll(self, op: str, nbytes: float, ranks) -> float:
+        n = len(ranks)
+        if n <= 1 or nbytes < 0:
+            return 0.0
+        p = self.profile
+        nodes = self.groups.nodes(ranks)
+        if nodes == 1:
+            return p.link("intra", op).time(op, nbytes, n)
+        if op != "all_to_all":
+            return p.link("inter", op).time(op, nbytes, n)
+        # All-to-All: the bytes to peers of this node go over the intra links, the rest over the
+        # inter ones, both at once; the steps are paid on the slower tier
+        local = n // nodes
+        intra, inter = p.link("intra", op), p.link("inter", op)
+        t_intra = bus_factor(op, n) * nbytes * (local - 1) / (n - 1) / intra.beta
+        t_inter = bus_factor(op, n) * nbytes * (n - local) / (n - 1) / inter.beta
+        return steps(op, n) * inter.alpha + max(t_intra, t_inter)
+
+    def p2p(self, nbytes: float, a: int, b: int) -> float:
+        tier = "intra" if a // self.profile.node_size == b // self.profile.node_size else "inter"
+        return self.profile.link(tier, "p2p").time("p2p", nbytes, 2)
+
+    # ----- one layer -----------------------------------------------------------------------------
+    def rows(self, b: BlockCost) -> tuple[float, float]:
+        """(mean, worst case) routed rows this rank's experts take in one micro-batch."""
+        rec, T = self.rec, self.tokens
+        X = b.num_experts // rec.ep
+        mean = T * b.top_k
+        bound = rec.ep * T * min(b.top_k, X)  # every token of the ep group sent here, once per local expert
+        if b.capacity_factor is not None:
+            # capacity decides over the whole dp batch (moe.router), ceil(cf k T_dp / E) per expert
+            cap = math.ceil(b.capacity_factor * b.top_k * T * rec.dp / b.num_experts)
+            worst = min(X * cap, bound)
+            return min(mean, worst), worst
+        worst = bound if self.skew is None else min(self.skew * mean, bound)
+        return mean, max(worst, mean)
+
+    def pooled(self, b: BlockCost, saved_only: bool = False) -> float:
+        """Bytes layer ``b``'s kernel keeps from step to step (``BlockCost.pool_buffers``), one lane;
+        ``saved_only``: of those, the buffers of what the layer saves, idle under checkpointing."""
+        rec = self.rec
+        modes = {"both", "rows" if rec.ep > 1 else "tokens"} | ({"ckpt"} if rec.checkpoint_activations else set())
+        if saved_only:
+            modes = {"ckpt"} & modes
+        mean, worst = self.rows(b) if b.is_moe else (0.0, 0.0)
+        # the saved buffers' rows: the kernel's static bound (tokens mode) or the rows received
+        bound = mean if rec.ep > 1 else worst
+        c = 2 if self.dtype == "bf16" else 4
+        total = 0.0
+        for kind, width, m in b.pool_buffers:
+            if m not in modes:
+                continue
+            rows = {"block": b.pool_block_rows, "rows": mean, "rows+1": mean + 1, "tokens": self.tokens, "bound": bound}
+            nbytes = rows[kind] * width * c
+            if nbytes >= b.pool_min_bytes:
+                total += nbytes
+        return total
+
+    def compute(self, b: BlockCost) -> dict[str, float]:
+        """Seconds of one micro-batch's F, I and W passes of layer ``b`` on this rank, compute only."""
+        p, rec, T = self.profile, self.rec, self.tokens
+        f = i = w = 0.0
+        for mm in b.matmuls:
+            if mm.expert:
+                X = b.num_experts // rec.ep
+                rows = T * mm.rows_per_token * rec.ep / b.num_experts  # per local expert, mean load
+                flops = 2.0 * mm.k * mm.n * rows * X * mm.work
+            else:
+                rows = mm.fixed_rows or T * mm.rows_per_token
+                flops = mm.flops_per_token() * T
+            t = flops / p.matmul_rate(self.dtype, rows, mm.k, mm.n)
+            if mm.weight:  # the roofline: a thin product is bound by its operands' bytes
+                c = 2 if self.dtype == "bf16" else 4
+                products = b.num_experts // rec.ep if mm.expert else 1
+                t = max(t, c * products * (rows * mm.k + mm.k * mm.n + rows * mm.n) / p.memory_bandwidth)
+            f += t
+            if mm.weight:
+                i += t
+                w += t
+            else:  # attention's backward: dQ, dK, dV and the recomputed scores, ~2.5x its forward
+                i += 2.5 * t
+        held = b.params_dense + b.params_expert / rec.ep
+        weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
+        elem = T * b.elementwise_bytes / p.memory_bandwidth
+        # the backward dispatches ~1.7x the forward's operators (counted: 1.5x for an MoE block,
+        # 1.9x for a dense one) and moves ~2.3x its bytes, most of both for the input gradient
+        f += elem + weights + b.ops * p.op_overhead_s
+        i += 1.6 * elem + weights + 1.2 * b.ops * p.op_overhead_s
+        w += 0.7 * elem + weights + 0.5 * b.ops * p.op_overhead_s
+        k = self.contention
+        return {"F": f * k, "I": i * k, "W": w * k}
+
+    def moe_comm(self, b: BlockCost) -> dict[str, float]:
+        """Synchronous communication of an MoE layer per micro-batch: F and I (the backward)."""
+        if not b.is_moe:
+            return {"F": 0.0, "I": 0.0}
+        rec, g = self.rec, self.groups
+        f = i = 0.0
+        if rec.dp > 1:
+            f += self.coll("all_reduce", b.stats_bytes, g.dp)
+            if b.capacity_factor is not None:
+                f += self.coll("all_gather", b.routing_bytes * self.tokens * rec.dp, g.dp)
+        if rec.ep > 1:
+            mean, _ = self.rows(b)
+            a2a = self.coll("all_to_all", mean * b.row_bytes, g.ep)
+            counts = self.coll("all_to_all", 8 * b.num_experts, g.ep)
+            f += 2 * a2a + counts  # dispatch and combine, and the counts before them
+            i += 2 * a2a
+        return {"F": f, "I": i}
+
+    def gather(self, b: BlockCost) -> float:
+        """ZeRO-3: the all-gather of one layer's weights."""
+        rec, g = self.rec, self.groups
+        if rec.zero_stage != 3 or b.shares_params_with is not None:
+            return 0.0
+        t = self.coll("all_gather", b.params_dense * self.c_w, g.dp)
+        if rec.edp > 1:
+            t += self.coll("all_gather", b.params_expert / rec.ep * self.c_w, g.edp)
+        return t
+
+    def reduce(self, b: BlockCost) -> float:
+        """The gradient reduction of one layer: all-reduce (ZeRO-0) or reduce-scatter (1-3), dense
+        over dp and expert over edp."""
+        rec, g = self.rec, self.groups
+        op = "all_reduce" if rec.zero_stage == 0 else "reduce_scatter"
+        return self.coll(op, b.params_dense * self.c_w, g.dp) + self.coll(
+            op, b.params_expert / rec.ep * self.c_w, g.edp
+        )
+
+    def post_step_gather(self, layers) -> float:
+        rec, g = self.rec, self.groups
+        if rec.zero_stage not in (1, 2):
+            return 0.0
+        dense = sum(b.params_dense for b in layers)
+        expert = sum(b.params_expert for b in layers) / rec.ep
+        return self.coll("all_gather", dense * self.c_w, g.dp) + self.coll("all_gather", expert * self.c_w, g.edp)
+
+    def optimizer(self, layers) -> float:
+        rec, p = self.rec, self.profile
+        dense = sum(b.params_dense for b in layers)
+        expert = sum(b.params_expert for b in layers) / rec.ep
+        n = dense / (rec.dp if rec.zero_stage else 1) + expert / (rec.edp if rec.zero_stage else 1)
+        if rec.zero_offload:
+            # gradients out to the host and the updated compute weights back, one direction each
+            copies = 2 * n * self.c_w / p.host_link_bandwidth
+            return n / p.host_adam_params_per_s + copies
+        return n * (_ADAM_FP32_BYTES + 3 * self.c_w) / p.memory_bandwidth * self.contention
+
+
+# per-layer terms depend on fewer keys than a layout has (not on offload, checkpointing, the
+# schedule): cached across the thousands of layouts one enumeration predicts. The key holds the
+# costs and profile objects themselves, so their ids cannot be reused while an entry lives
+_TERMS: dict = {}
+
+
+def _layer_terms(cst: _Costing):
+    rec = cst.rec
+    key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.micro_rows, rec.zero_stage)
+    key += (rec.mixed_precision, cst.skew)
+    hit = _TERMS.get(key)
+    if hit is not None and hit[0] is cst.costs and hit[1] is cst.profile:
+        return hit[2]
+    blocks = cst.costs.blocks
+    terms = (
+        [cst.compute(b) for b in blocks],
+        [cst.moe_comm(b) for b in blocks],
+        [cst.gather(b) for b in blocks],
+        [cst.reduce(b) for b in blocks],
+    )
+    if len(_TERMS) > 4096:
+        _TERMS.clear()
+    _TERMS[key] = (cst.costs, cst.profile, terms)
+    return terms
