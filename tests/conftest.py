@@ -4,6 +4,9 @@
 process (gloo ranks through ``tests.support.dist.run_distributed``, torchrun agents, a fresh
 interpreter) carries ``@pytest.mark.distributed`` (tests/test_markers.py checks every test file), and
 ``run_distributed`` refuses to start in a test without it.
+
+The suite runs on two pytest-xdist workers (pyproject's ``addopts``); ``-n 0`` runs it in this
+process.
 """
 
 import os
@@ -29,6 +32,23 @@ if not torch.cuda.is_available():
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = _previous
+
+
+def pytest_collection_modifyitems(config, items):
+    # under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) every distributed test
+    # joins one group, which runs on one worker, one test at a time: each starts 2-4 ranks that
+    # take the machine's cores; the other worker meanwhile runs single-process tests
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+
+
+def pytest_configure(config):
+    # a worker's intra-op threads: the cores divided among the workers, so that tests which do not
+    # ask for one thread (``one_thread``) or two (the lane tests) do not oversubscribe the machine
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def pytest_runtest_setup(item):
