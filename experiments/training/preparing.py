@@ -65,7 +65,7 @@ class _Worker:
         skipped: Counter = Counter()
         docs = {s: [] for s in SPLITS}
         extremes: dict = {"train_min": None, "val_max": None}
-        text_bytes = 0
+        text_bytes = {s: 0 for s in SPLITS}
         for text, nul_at in read_task(task, self.field, skipped):
             if nul_at and self.tok.kind == "bytes":
                 raise ValueError(
@@ -73,14 +73,15 @@ class _Worker:
                     "separator; remove it, or use a tokenizer.json"
                 )
             raw = text.encode("utf-8")
-            text_bytes += len(raw)
             u = xxhash.xxh3_64_intdigest(raw, seed=self.seed)
             split = "val" if u < self.threshold else "train"
+            text_bytes[split] += len(raw)
             k = len(docs[split])
+            # the document that may cross the split, with its text bytes
             if split == "train" and (extremes["train_min"] is None or u < extremes["train_min"][0]):
-                extremes["train_min"] = [u, k]
+                extremes["train_min"] = [u, k, len(raw)]
             if split == "val" and (extremes["val_max"] is None or u > extremes["val_max"][0]):
-                extremes["val_max"] = [u, k]
+                extremes["val_max"] = [u, k, len(raw)]
             docs[split].append(text)
         out = {"source": task["source"], "text_bytes": text_bytes, "skipped": dict(skipped), **extremes}
         for split in SPLITS:
@@ -253,7 +254,7 @@ class _Prepare:
         path = self.out / record_name(i)
         try:
             record = json.loads(path.read_text())
-            if record.get("key") != self.shard_key(i):
+            if record.get("key") != self.shard_key(i) or "text_bytes" not in record["val"]:  # or an older format's
                 return None
             for name, want in record["files"].items():
                 p = self.out / name
@@ -331,7 +332,7 @@ class _Prepare:
     def _write_shard(self, i: int, results: Iterator[dict], done: dict) -> dict:
         base = {"train": 0, "val": 0, "train_min": None, "val_max": None}
         sources: dict[str, dict] = {}
-        text_bytes = 0
+        text_bytes = {s: 0 for s in SPLITS}
         writer = None
         try:
             writer = ShardWriter(self.out, i, self.dtype)
@@ -339,7 +340,7 @@ class _Prepare:
                 res = next(results)
                 for split, ext, better in (("train", "train_min", min), ("val", "val_max", max)):
                     if res[ext] is not None:
-                        cand = [res[ext][0], base[split] + res[ext][1]]
+                        cand = [res[ext][0], base[split] + res[ext][1], res[ext][2]]
                         base[ext] = cand if base[ext] is None else better(base[ext], cand)
                     tokens, lengths = res[split]
                     writer.add(split, tokens, lengths)
@@ -348,7 +349,8 @@ class _Prepare:
                 s["docs"] += sum(len(res[split][1]) for split in SPLITS)
                 for why, n in res["skipped"].items():
                     s["skipped"][why] = s["skipped"].get(why, 0) + n
-                text_bytes += res["text_bytes"]
+                for split in SPLITS:
+                    text_bytes[split] += res["text_bytes"][split]
                 self._bar.update(task["bytes"])
             files = writer.commit()
         except NoSpaceError as e:
@@ -361,9 +363,8 @@ class _Prepare:
             "index": i,
             "key": self.shard_key(i),
             "files": files,
-            "train": {"docs": writer.docs["train"], "tokens": writer.tokens["train"]},
-            "val": {"docs": writer.docs["val"], "tokens": writer.tokens["val"]},
-            "text_bytes": text_bytes,
+            **{s: {"docs": writer.docs[s], "tokens": writer.tokens[s], "text_bytes": text_bytes[s]} for s in SPLITS},
+            "text_bytes": sum(text_bytes.values()),
             "sources": sources,
             "base": base,
             "moved": None,
@@ -451,8 +452,10 @@ class _Prepare:
             writer.abort()
             raise
         r = dict(r, files=files, moved=[src, k])
-        r["train"] = {"docs": writer.docs["train"], "tokens": writer.tokens["train"]}
-        r["val"] = {"docs": writer.docs["val"], "tokens": writer.tokens["val"]}
+        moved_bytes = r["base"]["train_min" if src == "train" else "val_max"][2]
+        text = {src: r[src]["text_bytes"] - moved_bytes, dst: r[dst]["text_bytes"] + moved_bytes}
+        for s in SPLITS:
+            r[s] = {"docs": writer.docs[s], "tokens": writer.tokens[s], "text_bytes": text[s]}
         self._write_record(i, r, records)
         return r
 
@@ -488,10 +491,7 @@ class _Prepare:
     def _manifest(self, records: dict) -> dict:
         shards = [records[i] for i in range(len(self.shards))]
         files = {name: d for r in shards for name, d in r["files"].items()}
-        counts = {
-            s: {"docs": sum(r[s]["docs"] for r in shards), "tokens": sum(r[s]["tokens"] for r in shards)}
-            for s in SPLITS
-        }
+        counts = {s: {k: sum(r[s][k] for r in shards) for k in ("docs", "tokens", "text_bytes")} for s in SPLITS}
         return {
             "kind": KIND,
             "format": FORMAT,
