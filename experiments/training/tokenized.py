@@ -321,6 +321,9 @@ def fit_model_vocab(cfg, data) -> None:
                     f"tokenizer's ids must fit the checkpoint's vocabulary; use the checkpoint's own tokenizer "
                     f"(data.tokenizer={cfg.model.init_from})"
                 )
-        return
-    cfg.data.vocab_size = data.vocab_size
-    cfg.model.vocab_size = data.vocab_size
+    else:
+        cfg.data.vocab_size = data.vocab_size
+        cfg.model.vocab_size = data.vocab_size
+    for p in parts:  # an id the model has no row for (a damaged or foreign shard): its file, position, document
+        if p.info.get("prepared"):
+            PreparedDataset(p.info["prepared"]).check_vocab(int(cfg.model.vocab_size))

@@ -121,14 +121,52 @@ def _doc_runs(rank, world, runs, run_dirs):
     return out
 
 
-DOC_RUNS_4 = [(["parallel=pp2_ep2_zero3", "data.document_mask=true"], 4)]  # pp=2 x dp=2 x ZeRO-3, ep=2
+def _doc_data(tmp_path) -> list[str]:
+    """Overrides for short documents (most windows cross a boundary, so the masks matter), masked."""
+    folder = tmp_path / "docs"
+    if not folder.exists():
+        short_documents(folder)
+    return ["data=text", f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.3",
+            "data.document_mask=true"]  # fmt: skip
+
+
+def _check_doc_runs(per_rank, runs, tmp_path, stdlib, world):
+    for r in per_rank:  # every stage of every rank computed with the documents (torch's shape inference too)
+        for summary in r:
+            assert summary["forwards"] > 0 and summary["forwards_with_docs"] == summary["forwards"]
+    _check_against_one_process(per_rank, runs, tmp_path, stdlib, world)
 
 
 @pytest.mark.distributed
 def test_document_mask_under_pp2_ep2_zero3_trains_like_one_process(tmp_path, stdlib):
+    runs = [(["parallel=pp2_ep2_zero3", *_doc_data(tmp_path)], 4)]  # pp=2 x dp=2 x ZeRO-3, ep=2
+    per_rank = run_distributed(_doc_runs, 4, [o for o, _ in runs], [tmp_path / "pp0"], timeout=600)
+    _check_doc_runs(per_rank, runs, tmp_path, stdlib, 4)
+
+
+# every torch schedule, each with the micro-batching it needs; zbv with activation checkpointing
+SCHEDULES_2 = [
+    (["parallel.pp_schedule=gpipe", "parallel.pp_microbatches=2"], 2),
+    (["parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2", "train.grad_accum=2"], 4),
+    (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=2"], 2),
+    (["parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"], 4),
+    (
+        [
+            "parallel.pp_schedule=zbv",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4",
+            "model.checkpoint_activations=true",
+        ],
+        4,
+    ),  # fmt: skip
+    (["parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"], 4),
+]
+
+
+@pytest.mark.distributed
+def test_document_mask_under_every_pipeline_schedule_trains_like_one_process(tmp_path, stdlib):
+    runs = [(o + _doc_data(tmp_path), m) for o, m in SCHEDULES_2]
     per_rank = run_distributed(
-        _doc_runs, 4, [o for o, _ in DOC_RUNS_4], [tmp_path / f"pp{i}" for i in range(len(DOC_RUNS_4))], timeout=600
+        _doc_runs, 2, [o for o, _ in runs], [tmp_path / f"pp{i}" for i in range(len(runs))], timeout=900
     )
-    for r in per_rank:  # every stage of every rank computed with the documents (shape inference aside)
-        assert r[0]["forwards"] > 0 and r[0]["forwards_with_docs"] == r[0]["forwards"]
-    _check_against_one_process(per_rank, DOC_RUNS_4, tmp_path, stdlib, 4)
+    _check_doc_runs(per_rank, runs, tmp_path, stdlib, 2)

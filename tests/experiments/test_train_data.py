@@ -13,7 +13,7 @@ import xxhash
 from experiments.prepare import prepare
 from experiments.training.data import LMData, build_data
 from experiments.training.shards import read_manifest
-from experiments.training.tokenized import Mixture, fit_model_vocab
+from experiments.training.tokenized import Mixture, fit_model_vocab, load_prepared
 from experiments.training.tokenizer import load_tokenizer, train_bpe
 from tests.support.training import SHORT, cfg_of, metrics_rows, run
 from zero import checkpoint as zc
@@ -125,6 +125,16 @@ def test_init_from_fixes_the_vocabulary_and_the_tokenizer_must_fit():
     cfg = cfg_of("model=tiny", "data.tokenizer=t.json")
     fit_model_vocab(cfg, data)
     assert cfg.model.vocab_size == cfg.data.vocab_size == 320
+
+
+def test_an_id_beyond_the_models_vocabulary_names_its_file(tmp_path, corpus):
+    folder, _ = corpus
+    out = prepare([folder], "bytes", tmp_path / "o", workers=0, val_fraction=0.25, progress=False)
+    data = load_prepared(out, "bytes")
+    data.info["tokenizer_vocab_size"] = 100  # as if a tokenizer of 100 ids had written letters (ids 97-104)
+    cfg = cfg_of("model=tiny", "data.source=prepared", f"data.path={out}", "model.init_from=/c", "model.vocab_size=100")
+    with pytest.raises(ValueError, match=r"train-00000.bin' holds token id 1\d\d at position \d+ \(document \d+\)"):
+        fit_model_vocab(cfg, data)
 
 
 # ----------------------------------------------------------------------------- mixtures
