@@ -1,4 +1,5 @@
-"""Language-modelling data: byte-level text (vocab 256) or a flat uint16 token file, as train/val arrays.
+"""Language-modelling data: byte-level text (vocab 256), a flat uint16 token file, or (through
+``experiments.training.tokenized``) prepared token shards, as train/val arrays.
 
 Sources (``data=`` in the Hydra tree):
 - ``stdlib``: the Python standard library's own ``.py`` files on the running machine, found through
@@ -10,6 +11,14 @@ Text sources are split into train and validation BY FILE, from a hash of each fi
 so the split is deterministic and a file never straddles it. Each document ends with a NUL byte
 (never present in text), a document separator the model can learn. The concatenated bytes are
 cached as ``uint8`` files keyed by the file list, so later runs start instantly.
+
+A tokenizer (``data.tokenizer``), prepared shards and mixtures (``data.sources``) are
+``experiments.training.tokenized``'s; ``build_data`` hands such configs to it, and they come back as
+``LMData`` too (or a ``Mixture`` of them).
+
+Documents: ``get_batch(..., documents=True)`` also returns each token's document (its index in the
+split: from the data's document index, or counted from the NUL separators of byte-level text), the
+``doc_ids`` that ``data.document_mask`` feeds the model.
 
 Batches: ``get_batch(split, step, ...)`` draws the GLOBAL batch of an optimizer step from a
 generator seeded by (seed, split, step) — identical on every rank — and returns this data-parallel
