@@ -263,7 +263,7 @@ class Pipeline:
         if self._reduce_after and len(self._finished) == len(self.stages):
             self.engine.start_reduction()
 
-    def _run(self, run, x, y) -> list[torch.Tensor]:
+    def _run(self, run, x, y, kwargs: dict) -> list[torch.Tensor]:
         self._finished, self._unscaled, losses = set(), {}, []
         args = (x,) if self.is_first else ()
         # the schedule's own list: its first step also evaluates the loss function while it infers
@@ -271,20 +271,24 @@ class Pipeline:
         # every backward accumulates locally, including the one the schedule's first step runs to
         # infer the gradients' shapes; start_reduction() follows the last real one
         with self.engine.no_sync():
-            run(*args, target=y if self.is_last else None, losses=losses if self.is_last else None)
+            run(*args, target=y if self.is_last else None, losses=losses if self.is_last else None, **kwargs)
         out = [self._unscaled[id(loss)] for loss in losses]
         self._unscaled = {}
         return out
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, *, reduce: bool = True) -> list[torch.Tensor]:
+    def step(
+        self, x: torch.Tensor | None, y: torch.Tensor | None, *, reduce: bool = True, **kwargs
+    ) -> list[torch.Tensor]:
         """Forward and backward of one batch (split into the plan's micro-batches) through the
         pipeline; ``x`` is needed on the rank holding the first stage, ``y`` on the one holding the
-        last. ``reduce=False`` (all but the last round of gradient accumulation) leaves the
-        gradients local. Returns the last stage's per-micro-batch losses (empty elsewhere)."""
+        last. ``kwargs``: keyword inputs of every stage's forward (``doc_ids``), given on every
+        rank and split into micro-batches along dim 0 like ``x``. ``reduce=False`` (all but the last
+        round of gradient accumulation) leaves the gradients local. Returns the last stage's
+        per-micro-batch losses (empty elsewhere)."""
         self._reduce_after = reduce
-        return self._run(self.schedule.step, x, y)
+        return self._run(self.schedule.step, x, y, kwargs)
 
     @torch.no_grad()
-    def eval(self, x: torch.Tensor | None, y: torch.Tensor | None) -> list[torch.Tensor]:
+    def eval(self, x: torch.Tensor | None, y: torch.Tensor | None, **kwargs) -> list[torch.Tensor]:
         """Forward only (the schedule's ``eval``); the last stage's per-micro-batch losses."""
-        return self._run(self.schedule.eval, x, y)
+        return self._run(self.schedule.eval, x, y, kwargs)

@@ -1,6 +1,11 @@
-"""Prepare throughput against the tokenizer library's own batch encoding, over the same files.
+"""Prepare throughput against the tokenizer library's own batch encoding, over the same files; the
+data loader's share of a training step; document masking's cost per step.
 
     python -m experiments.bench.data [--workers N] [--vocab 8192] [--tokenizer PATH] [--reps 3]
+    python -m experiments.bench.data loader [--steps 20] [OVERRIDE ...]
+    python -m experiments.bench.data mask [--lengths 512 2048] [--reps 5] [--memory-at 4096]
+
+``loader`` and ``mask``: see ``loader_share`` and ``mask_cost`` (experiments/bench/data_step.py).
 
 The corpus is the one ``experiments/data.py``'s ``load_stdlib`` reads: the running Python's
 standard library ``.py`` files (``sysconfig``'s stdlib folder, without ``site-packages``,
@@ -61,6 +66,13 @@ def stdlib_corpus(dest: Path) -> tuple[list[str], int]:
 
 
 def main(argv=None) -> None:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("loader", "mask"):
+        from experiments.bench import data_step
+
+        return data_step.main(argv)
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.data", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--workers",

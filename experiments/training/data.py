@@ -1,4 +1,5 @@
-"""Language-modelling data: byte-level text (vocab 256) or a flat uint16 token file, as train/val arrays.
+"""Language-modelling data: byte-level text (vocab 256), a flat uint16 token file, or (through
+``experiments.training.tokenized``) prepared token shards, as train/val arrays.
 
 Sources (``data=`` in the Hydra tree):
 - ``stdlib``: the Python standard library's own ``.py`` files on the running machine, found through
@@ -10,6 +11,14 @@ Text sources are split into train and validation BY FILE, from a hash of each fi
 so the split is deterministic and a file never straddles it. Each document ends with a NUL byte
 (never present in text), a document separator the model can learn. The concatenated bytes are
 cached as ``uint8`` files keyed by the file list, so later runs start instantly.
+
+A tokenizer (``data.tokenizer``), prepared shards and mixtures (``data.sources``) are
+``experiments.training.tokenized``'s; ``build_data`` hands such configs to it, and they come back as
+``LMData`` too (or a ``Mixture`` of them).
+
+Documents: ``get_batch(..., documents=True)`` also returns each token's document (its index in the
+split: from the data's document index, or counted from the NUL separators of byte-level text), the
+``doc_ids`` that ``data.document_mask`` feeds the model.
 
 Batches: ``get_batch(split, step, ...)`` draws the GLOBAL batch of an optimizer step from a
 generator seeded by (seed, split, step) — identical on every rank — and returns this data-parallel
@@ -25,13 +34,14 @@ import json
 import os
 import shutil
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 SEPARATOR = 0  # NUL ends every document
+SPLITS = ("train", "val")
 
 
 @dataclass
@@ -42,12 +52,43 @@ class LMData:
     name: str
     seed: int = 0
     info: dict | None = None  # e.g. file counts, for the run summary
+    # split -> the document index: int64 start offsets, one more than the documents (prepared data)
+    offsets: dict | None = None
+    # the id that ends every document, from which the index is found where ``offsets`` lacks it (bytes: NUL)
+    separator: int | None = None
+    # split -> UTF-8 bytes of its documents' text, separators excluded: what bits per byte divides by
+    text_bytes: dict | None = None
+    _found: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        for split in ("train", "val"):
+        for split in SPLITS:
             n = len(getattr(self, split))
             if n < 2:
                 raise ValueError(f"data {self.name!r}: the {split} split has {n} tokens; it needs at least 2")
+
+    def doc_offsets(self, split: str) -> np.ndarray:
+        """The split's document index (start offsets, then the end): the data's own, or found from
+        its separator once (a NUL ends every document of byte-level text)."""
+        if self.offsets is not None and split in self.offsets:
+            return self.offsets[split]
+        if split not in self._found:
+            if self.separator is None:
+                raise ValueError(
+                    f"data {self.name!r} has no document boundaries (a flat token file), so data.document_mask=true "
+                    "cannot apply: use data.source=stdlib or text, or data prepared by experiments.prepare"
+                )
+            tokens = np.asarray(self.train if split == "train" else self.val)
+            ends = np.flatnonzero(tokens == self.separator) + 1
+            off = np.concatenate([[0], ends, [len(tokens)] if not len(ends) or ends[-1] != len(tokens) else []])
+            self._found[split] = off.astype(np.int64)
+        return self._found[split]
+
+    def bytes_per_token(self, split: str = "val") -> float | None:
+        """Text bytes per token of the split (None where unknown): nats per token times this over
+        ln 2 is bits per byte, which compares across tokenizers."""
+        if not self.text_bytes or self.text_bytes.get(split) is None:
+            return None
+        return self.text_bytes[split] / len(self.train if split == "train" else self.val)
 
     def _generator(self, split: str, step: int) -> torch.Generator:
         # seeded from (seed, split, step) alone, so every rank and every resumed run draws the same
@@ -64,8 +105,10 @@ class LMData:
         dp_rank: int = 0,
         dp_size: int = 1,
         microbatches: int = 1,
+        documents: bool = False,
     ):
-        """``(x_BL, y_BL)`` int64: this dp rank's B = global/dp rows of the global batch; ``y`` is
+        """``(x_BL, y_BL)`` int64 (``documents``: and ``doc_ids_BL``, each token's document in the
+        split, for ``model(x, doc_ids=...)``): this dp rank's B = global/dp rows of the global batch; ``y`` is
         ``x`` shifted by one token. The global batch is ``microbatches`` consecutive global
         micro-batches; the rank's rows are its consecutive share of each, in order, so that when it
         cuts its rows into ``microbatches`` equal micro-batches, its j-th is its share of the j-th
@@ -85,11 +128,19 @@ class LMData:
                 f"data {self.name!r}: the {split} split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}"
             )
         starts_G = torch.randint(0, len(tokens) - seq_len, (global_batch,), generator=self._generator(split, step))
-        share = global_batch // dp_size // microbatches  # rows of each global micro-batch on each rank
-        starts_B = starts_G.view(microbatches, dp_size, share)[:, dp_rank].flatten().tolist()
+        starts_B = rank_rows(starts_G, dp_rank, dp_size, microbatches).tolist()
+        return self.windows(split, starts_B, seq_len, documents)
+
+    def windows(self, split: str, starts_B: list[int], seq_len: int, documents: bool = False):
+        """The rows starting at ``starts_B``: ``(x_BL, y_BL[, doc_ids_BL])`` (see ``get_batch``)."""
+        tokens = self.train if split == "train" else self.val
         rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts_B])
         xy_BL1 = torch.from_numpy(rows)
-        return xy_BL1[:, :-1], xy_BL1[:, 1:]
+        if not documents:
+            return xy_BL1[:, :-1], xy_BL1[:, 1:]
+        pos_BL = np.asarray(starts_B, dtype=np.int64)[:, None] + np.arange(seq_len)
+        doc_BL = np.searchsorted(self.doc_offsets(split), pos_BL, side="right") - 1
+        return xy_BL1[:, :-1], xy_BL1[:, 1:], torch.from_numpy(doc_BL)
 
     def unigram_entropy(self, split: str = "val") -> float:
         """Entropy in nats of the split's token frequencies: the loss of the best model that ignores
@@ -98,6 +149,13 @@ class LMData:
         counts = np.bincount(np.asarray(tokens), minlength=self.vocab_size).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
+
+
+def rank_rows(rows_G: torch.Tensor, dp_rank: int, dp_size: int, microbatches: int) -> torch.Tensor:
+    """This dp rank's rows of a global batch (``LMData.get_batch``'s order): its consecutive share
+    of each of the ``microbatches`` global micro-batches, in order."""
+    share = len(rows_G) // dp_size // microbatches  # rows of each global micro-batch on each rank
+    return rows_G.view(microbatches, dp_size, share, *rows_G.shape[1:])[:, dp_rank].flatten(0, 1)
 
 
 # ----------------------------------------------------------------------------- text sources
@@ -154,6 +212,12 @@ def _read_docs(root: Path, rel_paths: list[str]) -> tuple[np.ndarray, int]:
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)), skipped
 
 
+def _byte_data(train: np.ndarray, val: np.ndarray, name: str, seed: int, info: dict) -> LMData:
+    # every byte is text but the NUL after each document
+    text = {"val": len(val) - int(np.count_nonzero(np.asarray(val) == SEPARATOR))}
+    return LMData(train, val, 256, name, seed, info, separator=SEPARATOR, text_bytes=text)
+
+
 def _cache_dir(cache_dir: str | None) -> Path:
     base = cache_dir or os.environ.get("SWITCHYARD_CACHE") or "~/.cache/switchyard"
     return Path(base).expanduser()
@@ -183,7 +247,7 @@ def load_text(
         check_val_fraction(val_fraction)
         arr = np.frombuffer(data, dtype=np.uint8)
         cut = int(len(arr) * (1 - val_fraction))
-        return LMData(arr[:cut], arr[cut:], 256, name, seed, {"files": 1, "split": "by byte (single file)"})
+        return _byte_data(arr[:cut], arr[cut:], name, seed, {"files": 1, "split": "by byte (single file)"})
 
     rel_paths = _list_files(root, pattern, tuple(exclude_dirs))
     if not rel_paths:
@@ -199,7 +263,7 @@ def load_text(
         info = json.loads((cache / "info.json").read_text())
         train = np.memmap(cache / "train.bin", dtype=np.uint8, mode="r")
         val = np.memmap(cache / "val.bin", dtype=np.uint8, mode="r")
-        return LMData(train, val, 256, name, seed, info)
+        return _byte_data(train, val, name, seed, info)
 
     train_files, val_files = split_files(rel_paths, val_fraction, split_seed)
     train, skipped_t = _read_docs(root, train_files)
@@ -226,7 +290,7 @@ def load_text(
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError:
         pass  # a read-only cache location only costs re-reading the files next time
-    return LMData(train, val, 256, name, seed, info)
+    return _byte_data(train, val, name, seed, info)
 
 
 def stdlib_path() -> Path:
@@ -300,7 +364,12 @@ def load_tokens(path: str | os.PathLike, *, vocab_size: int, val_fraction: float
 
 
 def build_data(cfg, seed: int = 0) -> LMData:
-    """From the ``data`` config group (a mapping with ``source`` and that source's keys)."""
+    """From the ``data`` config group (a mapping with ``source`` and that source's keys); a
+    tokenizer, prepared data or a mixture: ``experiments.training.tokenized.build_tokenized``."""
+    from experiments.training.tokenized import build_tokenized, is_tokenized
+
+    if is_tokenized(cfg):
+        return build_tokenized(cfg, seed)
     source = cfg["source"]
     if source == "stdlib":
         return load_stdlib(
@@ -317,4 +386,4 @@ def build_data(cfg, seed: int = 0) -> LMData:
         )
     if source == "tokens":
         return load_tokens(cfg["path"], vocab_size=cfg["vocab_size"], val_fraction=cfg["val_fraction"], seed=seed)
-    raise ValueError(f"data.source={source!r} is invalid: expected one of ('stdlib', 'text', 'tokens')")
+    raise ValueError(f"data.source={source!r} is invalid: expected one of ('stdlib', 'text', 'tokens', 'prepared')")

@@ -42,12 +42,13 @@ from experiments.training.build import (
 from experiments.training.checkpointing import TrainCheckpoints
 from experiments.training.checks import check_config
 from experiments.training.data import LMData, build_data
-from experiments.training.evaluate import evaluate, lm_loss
+from experiments.training.evaluate import lm_loss, validation
 from experiments.training.nonfinite import StepGuard
 from experiments.training.optim import lr_at
 from experiments.training.peak_memory import PeakMemory
 from experiments.training.preflight import held_layout_keys, plan_before_build, world_size
 from experiments.training.stats import MoEStatSums, RowSums, all_reduce_, sum_over_stages
+from experiments.training.tokenized import fit_model_vocab
 from experiments.training.tracking import MetricsFile, finite_or_none, hydra_job_info, make_tracker, to_json
 from zero.pipeline import Pipeline
 
@@ -79,6 +80,11 @@ class Trainer:
             run_dir.mkdir(parents=True, exist_ok=True)
 
         data = build_data(cfg.data, seed=cfg.seed) if data is None else dataclasses.replace(data, seed=cfg.seed)
+        fit_model_vocab(cfg, data)  # a tokenizer's vocabulary, padded, unless model.init_from fixes it
+        self.documents = bool(cfg.data.document_mask)
+        if self.documents:  # data without document boundaries stops here, naming itself
+            for part in getattr(data, "parts", [data]):
+                part.doc_offsets("val")
         if data.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"data vocabulary {data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
         self.data = data
@@ -152,6 +158,7 @@ class Trainer:
             self.pipe.loss_scale = 1.0 / self.forwards
         self.logged_losses = self.resumed.get("logged_losses", [])
         self.val_loss = self.resumed.get("val_loss")
+        self.val_metrics = self.resumed.get("val_metrics", {})
         self.val_history = [tuple(v) for v in self.resumed.get("val_history", [])]
 
     def _describe(self) -> None:
@@ -167,26 +174,32 @@ class Trainer:
         print(f"data: {data.name} {data.info}; train {len(data.train):,} / val {len(data.val):,} tokens", flush=True)
 
     # ----- one step --------------------------------------------------------------------------------
-    def forward_backward_step(self, x_BL: torch.Tensor, y_BL: torch.Tensor) -> torch.Tensor:
+    def forward_backward_step(
+        self, x_BL: torch.Tensor, y_BL: torch.Tensor, doc_BL: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward and backward of this rank's rows of one step, micro-batch by micro-batch; the
-        gradients are left for the engine, reduced once (after the last micro-batch). Returns the
-        step's mean loss on this rank (zero on pipeline stages but the last)."""
+        gradients are left for the engine, reduced once (after the last micro-batch). ``doc_BL``:
+        each token's document (``data.document_mask``), into every forward, every pipeline stage
+        included. Returns the step's mean loss on this rank (zero on pipeline stages but the last)."""
         cfg, device, engine, pipe, accum, micro = self.cfg, self.device, self.engine, self.pipe, self.accum, self.micro
         loss_step = torch.zeros((), device=device)
         for m in range(accum):
             x, y = x_BL[m * micro : (m + 1) * micro].to(device), y_BL[m * micro : (m + 1) * micro].to(device)
+            kw = {} if doc_BL is None else {"doc_ids": doc_BL[m * micro : (m + 1) * micro].to(device)}
             if pipe is not None:
                 # the schedule splits the rows into the plan's micro-batches; the engine
                 # reduces after the last backward of the last round
                 with precision_context(cfg, device):
-                    losses = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, reduce=m == accum - 1)
+                    losses = pipe.step(
+                        x if pipe.is_first else None, y if pipe.is_last else None, reduce=m == accum - 1, **kw
+                    )
                 loss_step += sum(losses, torch.zeros((), device=device)) / self.forwards
                 continue
             # micro-batches before the last only accumulate locally: one reduction per step
             quiet = engine.no_sync() if m < accum - 1 else nullcontext()
             with quiet:
                 with precision_context(cfg, device):
-                    logits_BLV = self.model(x)
+                    logits_BLV = self.model(x, **kw)
                 loss = lm_loss(logits_BLV, y)
                 (loss / accum).backward()
             loss_step += loss.detach() / accum
@@ -199,11 +212,11 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, tcfg.steps)
         self.engine.lr = lr
         # each of the step's micro-batches is spread over the dp ranks as in one process
-        x_BL, y_BL = self.data.get_batch(
-            "train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp, self.forwards
+        batch = self.data.get_batch(
+            "train", step, tcfg.batch_size, tcfg.seq_len, layout.dp_rank, layout.dp, self.forwards, self.documents
         )
         stats.reset()  # this step's MoE statistics, of the layers this rank runs
-        loss_step = self.forward_backward_step(x_BL, y_BL)
+        loss_step = self.forward_backward_step(*batch)
         # reduce, clip, the optimizer on this rank's shards; the norm before clipping. A loss,
         # aux loss or gradient norm that is non-finite on any rank skips the step on every rank
         # (the loss is the last stage's; other stages hand a zero)
@@ -223,7 +236,8 @@ class Trainer:
         """The validation loss after step ``done``, kept in the history; its time is left out of the
         row's throughput."""
         t_eval = time.perf_counter()
-        self.val_loss = evaluate(self.model, self.data, self.cfg, self.layout, self.device, self.pipe)
+        self.val_metrics = validation(self.model, self.data, self.cfg, self.layout, self.device, self.pipe)
+        self.val_loss = self.val_metrics["val_loss"]
         self.val_history.append((done, self.val_loss))
         self.sums.eval_s += time.perf_counter() - t_eval
         return self.val_loss
@@ -254,7 +268,7 @@ class Trainer:
             row["load_max_over_mean"] = sum(max(e) / max(sum(e) / len(e), 1e-9) for e in load) / len(load)
             row["expert_load"] = load
         if val_loss is not None:
-            row["val_loss"] = val_loss
+            row.update(self.val_metrics)  # val_loss, and bits per byte and per-source values where known
         self.logged_losses.append(loss_mean)
         return row
 
@@ -278,6 +292,7 @@ class Trainer:
             "logged_losses": self.logged_losses,
             "val_history": self.val_history,
             "val_loss": self.val_loss,
+            "val_metrics": self.val_metrics,
             "wandb_id": self.tracker.run_id,
             "bad_streak": self.guard.streak,
         }
@@ -351,6 +366,7 @@ class Trainer:
             "last_step": done,
             "resumed_from_step": self.start if self.resumed else None,
             "final_val_loss": self.val_loss,
+            "final_val": self.val_metrics,  # val_loss, val_bpb, and per source for a mixture
             "unigram_entropy": self.unigram,
             "val_history": self.val_history,
             "train_losses": self.logged_losses,
@@ -407,7 +423,8 @@ class Trainer:
                 f"done: {steps} steps, {summary['tokens']:,} tokens in {wall:.0f} s "
                 f"({summary['tokens_per_s']:.0f} tokens/s)\n"
                 f"final val loss {val_loss:.4f} nats/token vs byte-unigram baseline {unigram:.4f} (val-set entropy); "
-                f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits",
+                f"{val_loss / math.log(2):.3f} vs {unigram / math.log(2):.3f} bits"
+                + (f"; {self.val_metrics['val_bpb']:.4f} bits per byte" if "val_bpb" in self.val_metrics else ""),
                 flush=True,
             )
 

@@ -1,7 +1,9 @@
 """The work of ``python -m experiments.prepare``: tokenizing tasks in worker processes, and writing shards.
 
 ``prepare`` and ``prepare_cached`` (see ``experiments.prepare`` for the format, the split and the
-resume); the sources are planned and read by ``experiments.training.corpus``.
+resume); the sources are planned and read by ``experiments.training.corpus``, tokenized by
+``experiments.training.prepare_workers``; the split's balance and the manifest are
+``experiments.training.prepare_split``'s mixins of ``_Prepare``.
 """
 
 from __future__ import annotations
@@ -9,31 +11,23 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import sys
-import threading
 import time
-from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from experiments.training.corpus import (
     DEFAULT_EXCLUDE,
     TASK_BYTES,
-    VALID_SOURCES,
     _Planner,
-    _skipped_text,
-    read_task,
     sources_hash,
 )
+from experiments.training.prepare_split import ManifestWriter, SplitBalance
+from experiments.training.prepare_workers import results
 from experiments.training.shards import (
     FORMAT,
-    KIND,
     MANIFEST,
     SPLITS,
     TMP,
@@ -43,7 +37,6 @@ from experiments.training.shards import (
     is_shard_file,
     read_manifest,
     record_name,
-    shard_names,
     token_dtype,
     write_json_durably,
 )
@@ -53,70 +46,6 @@ SHARD_MB = 128
 PAUSE_ENV = "SWITCHYARD_PREPARE_TEST_PAUSE_S"  # tests: seconds to sleep after each recorded shard, to kill mid-way
 
 
-# ----------------------------------------------------------------------------- tokenizing (workers)
-
-
-class _Worker:
-    def __init__(self, tokenizer: Tokenizer, field_name: str, threshold: int, split_seed: int, dtype: str):
-        self.tok, self.field, self.threshold, self.seed = tokenizer, field_name, threshold, split_seed
-        self.dtype = np.dtype(dtype)
-
-    def run(self, task: dict) -> dict:
-        skipped: Counter = Counter()
-        docs = {s: [] for s in SPLITS}
-        extremes: dict = {"train_min": None, "val_max": None}
-        text_bytes = 0
-        for text, nul_at in read_task(task, self.field, skipped):
-            if nul_at and self.tok.kind == "bytes":
-                raise ValueError(
-                    f"{nul_at}: the text holds a NUL character, which the bytes tokenizer reserves as its document "
-                    "separator; remove it, or use a tokenizer.json"
-                )
-            raw = text.encode("utf-8")
-            text_bytes += len(raw)
-            u = xxhash.xxh3_64_intdigest(raw, seed=self.seed)
-            split = "val" if u < self.threshold else "train"
-            k = len(docs[split])
-            if split == "train" and (extremes["train_min"] is None or u < extremes["train_min"][0]):
-                extremes["train_min"] = [u, k]
-            if split == "val" and (extremes["val_max"] is None or u > extremes["val_max"][0]):
-                extremes["val_max"] = [u, k]
-            docs[split].append(text)
-        out = {"source": task["source"], "text_bytes": text_bytes, "skipped": dict(skipped), **extremes}
-        for split in SPLITS:
-            if docs[split]:
-                out[split] = self.tok.encode_documents(docs[split], self.dtype)
-            else:
-                out[split] = (np.zeros(0, dtype=self.dtype), np.zeros(0, dtype=np.int64))
-        return out
-
-
-_WORKER: _Worker | None = None
-
-
-def _watch_parent(ppid: int) -> None:
-    # a prepare killed with SIGKILL cannot stop its workers, which would wait on its queue forever
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != ppid:
-            os._exit(1)
-
-
-def _init_worker(args: tuple) -> None:
-    # the workers are the parallelism: one thread each, or N processes x N tokenizer threads thrash
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = "1"
-    # Ctrl-C is the main process's to handle (it stops the workers): no traceback from every worker
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    global _WORKER
-    _WORKER = _Worker(*args)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-
-
-def _run_task(task: dict) -> dict:
-    return _WORKER.run(task)
-
-
 # ----------------------------------------------------------------------------- the prepare
 
 
@@ -124,7 +53,7 @@ def _digest(obj) -> str:
     return xxhash.xxh3_128(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-class _Prepare:
+class _Prepare(SplitBalance, ManifestWriter):
     def __init__(
         self,
         sources,
@@ -253,7 +182,7 @@ class _Prepare:
         path = self.out / record_name(i)
         try:
             record = json.loads(path.read_text())
-            if record.get("key") != self.shard_key(i):
+            if record.get("key") != self.shard_key(i) or "text_bytes" not in record["val"]:  # or an older format's
                 return None
             for name, want in record["files"].items():
                 p = self.out / name
@@ -269,52 +198,7 @@ class _Prepare:
 
     def _results(self, todo: list[int]) -> Iterator[dict]:
         tasks = [t for i in todo for t in self.shards[i]]
-        args = (self.tok, self.field, self.threshold, self.split_seed, self.dtype.name)
-        if self.workers == 0 or not tasks:
-            worker = _Worker(*args)
-            for t in tasks:
-                yield worker.run(t)
-            return
-        import multiprocessing
-
-        # spawn: a fresh interpreter per worker, never a fork of this process's threads, locks or started
-        # tokenizer thread pool. (forkserver would not save the workers' import of the caller's main module:
-        # CPython 3.11's forkserver does not preload __main__, measured here, so each worker imports it anyway.)
-        ex = ProcessPoolExecutor(
-            min(self.workers, len(tasks)),
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(args,),
-        )
-        pending: deque = deque()
-        it = iter(tasks)
-        finished = False
-        try:
-            for t in it:
-                pending.append(ex.submit(_run_task, t))
-                if len(pending) >= 2 * self.workers:
-                    break
-            while pending:
-                try:
-                    res = pending.popleft().result()
-                except BrokenProcessPool:
-                    raise RuntimeError(
-                        "a tokenizing worker process died (out of memory? its own error, if any, is printed above); "
-                        "rerun to resume, with fewer --workers"
-                    ) from None
-                t = next(it, None)
-                if t is not None:
-                    pending.append(ex.submit(_run_task, t))
-                yield res
-            finished = True
-        finally:
-            if not finished:
-                # an error or an interrupt: stop the workers now rather than after their current tasks
-                for f in pending:
-                    f.cancel()
-                for p in list((getattr(ex, "_processes", None) or {}).values()):
-                    p.terminate()
-            ex.shutdown(wait=True, cancel_futures=True)
+        return results(tasks, (self.tok, self.field, self.threshold, self.split_seed, self.dtype.name), self.workers)
 
     def _tokenize(self, todo: list[int], done: dict) -> dict:
         records = {}
@@ -331,7 +215,7 @@ class _Prepare:
     def _write_shard(self, i: int, results: Iterator[dict], done: dict) -> dict:
         base = {"train": 0, "val": 0, "train_min": None, "val_max": None}
         sources: dict[str, dict] = {}
-        text_bytes = 0
+        text_bytes = {s: 0 for s in SPLITS}
         writer = None
         try:
             writer = ShardWriter(self.out, i, self.dtype)
@@ -339,7 +223,7 @@ class _Prepare:
                 res = next(results)
                 for split, ext, better in (("train", "train_min", min), ("val", "val_max", max)):
                     if res[ext] is not None:
-                        cand = [res[ext][0], base[split] + res[ext][1]]
+                        cand = [res[ext][0], base[split] + res[ext][1], res[ext][2]]
                         base[ext] = cand if base[ext] is None else better(base[ext], cand)
                     tokens, lengths = res[split]
                     writer.add(split, tokens, lengths)
@@ -348,7 +232,8 @@ class _Prepare:
                 s["docs"] += sum(len(res[split][1]) for split in SPLITS)
                 for why, n in res["skipped"].items():
                     s["skipped"][why] = s["skipped"].get(why, 0) + n
-                text_bytes += res["text_bytes"]
+                for split in SPLITS:
+                    text_bytes[split] += res["text_bytes"][split]
                 self._bar.update(task["bytes"])
             files = writer.commit()
         except NoSpaceError as e:
@@ -361,9 +246,8 @@ class _Prepare:
             "index": i,
             "key": self.shard_key(i),
             "files": files,
-            "train": {"docs": writer.docs["train"], "tokens": writer.tokens["train"]},
-            "val": {"docs": writer.docs["val"], "tokens": writer.tokens["val"]},
-            "text_bytes": text_bytes,
+            **{s: {"docs": writer.docs[s], "tokens": writer.tokens[s], "text_bytes": text_bytes[s]} for s in SPLITS},
+            "text_bytes": sum(text_bytes.values()),
             "sources": sources,
             "base": base,
             "moved": None,
@@ -394,137 +278,6 @@ class _Prepare:
             f"shard {i} did not fit; the {len(self.shards) - len(done)} shards left need about "
             f"{int(left * ratio)} bytes",
         )
-
-    # -------------------------------------------------------------------- the split's two sides
-
-    def _wanted_move(self, records: dict) -> tuple[int, str, int] | None:
-        if self.val_fraction == 0:
-            return None
-        n = {s: sum(r["base"][s] for r in records.values()) for s in SPLITS}
-        if n["train"] + n["val"] < 2:
-            return None
-        if n["val"] == 0:  # the train document nearest the threshold crosses over
-            u, i, k = min(
-                (r["base"]["train_min"][0], i, r["base"]["train_min"][1])
-                for i, r in records.items()
-                if r["base"]["train_min"]
-            )
-            return i, "train", k
-        if n["train"] == 0:
-            u, i, k = max(
-                (r["base"]["val_max"][0], -i, r["base"]["val_max"][1])
-                for i, r in records.items()
-                if r["base"]["val_max"]
-            )
-            return -i, "val", k
-        return None
-
-    def _balance_split(self, records: dict) -> dict:
-        """Apply the one move that keeps both sides non-empty, decided from every shard's own
-        documents, undoing a move a resumed run's kept shard holds that these inputs do not want."""
-        move = self._wanted_move(records)
-        for i, r in sorted(records.items()):
-            want = [move[1], move[2]] if move and move[0] == i else None
-            if r["moved"] != want:
-                if r["moved"] is not None:
-                    records.update(self._tokenize([i], records))
-                if want is not None:
-                    records[i] = self._move(records[i], *want, records)
-        return records
-
-    def _move(self, r: dict, src: str, k: int, records: dict) -> dict:
-        i = r["index"]
-        dst = "val" if src == "train" else "train"
-        names = shard_names(i)
-        idx = np.fromfile(self.out / names[src][1], dtype=np.int64)
-        tokens = np.fromfile(self.out / names[src][0], dtype=self.dtype)
-        lengths = np.diff(idx)
-        a, b = int(idx[k]), int(idx[k + 1])
-        writer = ShardWriter(self.out, i, self.dtype)
-        try:
-            writer.add(src, np.concatenate([tokens[:a], tokens[b:]]), np.delete(lengths, k))
-            writer.add(dst, tokens[a:b], np.array([b - a], dtype=np.int64))  # dst is empty in every shard
-            files = writer.commit()
-        except NoSpaceError as e:
-            raise self._no_space(e, i, records) from None
-        except BaseException:
-            writer.abort()
-            raise
-        r = dict(r, files=files, moved=[src, k])
-        r["train"] = {"docs": writer.docs["train"], "tokens": writer.tokens["train"]}
-        r["val"] = {"docs": writer.docs["val"], "tokens": writer.tokens["val"]}
-        self._write_record(i, r, records)
-        return r
-
-    # -------------------------------------------------------------------- checks and the manifest
-
-    def _source_counts(self, records: dict) -> list[dict]:
-        out = []
-        for j, src in enumerate(self.sources):
-            docs, skipped = 0, Counter(src.skipped)
-            for r in records.values():
-                s = r["sources"].get(str(j))
-                if s:
-                    docs += s["docs"]
-                    skipped.update(s["skipped"])
-            out.append({**src.describe(), "docs": docs, "skipped": dict(sorted(skipped.items()))})
-        return out
-
-    def _check_documents(self, records: dict) -> None:
-        counts = self._source_counts(records)
-        for src, c in zip(self.sources, counts):
-            if c["docs"] == 0:
-                raise ValueError(
-                    f"source {src.given!r} holds no documents ({_skipped_text(Counter(c['skipped']))}); "
-                    f"expected {VALID_SOURCES}"
-                )
-        total = sum(c["docs"] for c in counts)
-        if self.val_fraction > 0 and total < 2:
-            raise ValueError(
-                f"the sources hold {total} document: a train/validation split needs 2 or more; give more documents "
-                "(a .jsonl with one per line) or --val-fraction 0"
-            )
-
-    def _manifest(self, records: dict) -> dict:
-        shards = [records[i] for i in range(len(self.shards))]
-        files = {name: d for r in shards for name, d in r["files"].items()}
-        counts = {
-            s: {"docs": sum(r[s]["docs"] for r in shards), "tokens": sum(r[s]["tokens"] for r in shards)}
-            for s in SPLITS
-        }
-        return {
-            "kind": KIND,
-            "format": FORMAT,
-            "tokenizer": self.tok.describe(),
-            "separator": self.tok.separator.as_dict(),
-            "vocab_size": self.vocab_size,
-            "dtype": self.dtype.name,
-            "params": self.params,
-            "split": {
-                "by": "content",
-                "hash": "xxh3_64 of the document's UTF-8, seeded by split_seed",
-                "val_if": "hash < val_fraction * 2**64",
-                "moved": next(([r["index"], *r["moved"]] for r in shards if r["moved"]), None),
-            },
-            "sources": self._source_counts(records),
-            "sources_hash": self.sources_hash,
-            "counts": {
-                "docs": counts["train"]["docs"] + counts["val"]["docs"],
-                "text_bytes": sum(r["text_bytes"] for r in shards),
-                **counts,
-            },
-            "shards": [
-                {
-                    "index": r["index"],
-                    "train": r["train"],
-                    "val": r["val"],
-                    "text_bytes": r["text_bytes"],
-                    "moved": r["moved"],
-                }
-                for r in shards
-            ],
-            "files": files,
-        }
 
 
 def _free(path: Path) -> int:

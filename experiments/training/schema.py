@@ -172,13 +172,29 @@ class OptimConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One entry of ``data.sources`` (``experiments.training.tokenized.build_mixture``)."""
+
+    path: str = MISSING  # a prepared directory, `stdlib`, or a text file / folder / .jsonl / .parquet to prepare
+    weight: float = 1.0  # the share of each batch's rows drawn from it: weight / the sum of the weights
+    name: str | None = None  # in the per-source metrics (val_loss/<name>); null: the path's last part
+
+
+@dataclass
 class DataConfig:
     """One schema for every source; each source reads its own keys (``experiments.training.data.build_data``).
     ``path`` is mandatory (``???``) unless a source's yaml sets it: ``conf/data/stdlib.yaml`` sets
     null (a yaml cannot turn a default back into ``???``: OmegaConf's merge keeps the old value)."""
 
-    source: str = "stdlib"  # stdlib | text | tokens
-    path: str | None = MISSING  # text, tokens: the file or folder
+    source: str = "stdlib"  # stdlib | text | tokens | prepared (a directory written by experiments.prepare)
+    path: str | None = MISSING  # text, tokens, prepared: the file or folder
+    # bytes (byte-level, as before) | a tokenizer.json | a Hugging Face model folder | bpe:<N> (trained on the
+    # sources' train documents, cached); anything but bytes prepares the source on first use (cached)
+    tokenizer: str = "bytes"
+    document_mask: bool = False  # attention stops at document boundaries; rotary positions restart in each
+    sources: list[SourceConfig] = field(default_factory=list)  # a weighted mixture; non-empty: replaces the source
+    text_field: str = "text"  # .jsonl, .parquet, datasets sources: the field holding the text
+    prepare_workers: int | None = None  # tokenizing processes of a first-use prepare; null: one per core
     pattern: str = "**/*"  # text: files to take from a folder (binary files, i.e. containing NUL bytes, are skipped)
     vocab_size: int = 256  # bytes for stdlib and text
     val_fraction: float = (

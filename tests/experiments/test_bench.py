@@ -70,3 +70,13 @@ def test_training_step_mfu_runs_on_a_tiny_model():
 
     r = train_step_mfu(TINY, 2, 16, torch.device("cpu"), torch.float32, compile_blocks=False, reps=1, matmul_n=64)
     assert r["step_s"] > 0 and r["model_flops"] > 6 * r["params"]["active"] * 32 and 0 < r["mfu"]
+
+
+def test_data_step_bench_measures_the_loader_and_the_mask():
+    pytest.importorskip("hydra")
+    from experiments.bench.data_step import loader_share, mask_cost
+
+    (r,) = mask_cost([32], batch=1, reps=1)
+    assert r["L"] == 32 and r["none_s"] > 0 and r["mask_s"] > 0
+    share = loader_share(["model=tiny", "train.batch_size=4", "train.seq_len=16", "data.document_mask=true"], 2)
+    assert share["step_s"] > 0 and 0 < share["share"] < 1

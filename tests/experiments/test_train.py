@@ -71,6 +71,10 @@ def test_every_config_composes_and_runs_two_steps(group, choice, tmp_path, stdli
         overrides.append(f"data.path={_text_folder(tmp_path)}")
     if group == "data" and choice == "tokens":
         overrides += [f"data.path={_token_folder(tmp_path)}", "data.vocab_size=300"]
+    if group == "experiment" and choice == "stdlib_bpe":
+        # its BPE and its prepare, on a small folder: the whole stdlib takes minutes on a cold cache
+        overrides += ["data=text", f"data.path={_text_folder(tmp_path)}", "data.tokenizer=bpe:300"]
+        overrides += [f"data.cache_dir={tmp_path / 'cache'}", "data.prepare_workers=0", "data.val_fraction=0.3"]
     if group == "logger" and choice == "wandb":
         monkeypatch.setenv("WANDB_SILENT", "true")
         # a service this test starts and owns (an inherited WANDB_SERVICE would point wandb at
