@@ -80,7 +80,7 @@ def test_a_run_resumes_across_memory_and_nvme(tmp_path, stdlib, first, then):
         assert torch.equal(resumed["weights"][name], w), name
 
 
-def _resume_ranks(rank, world, runs):
+def _train_ranks(rank, world, runs):
     torch.set_num_threads(1)
     return [train(cfg_of(*overrides), run_dir=run_dir, keep_weights=True) for overrides, run_dir in runs]
 
@@ -99,7 +99,7 @@ def test_two_ranks_nvme_like_memory_and_resumed_across(tmp_path, stdlib):
         runs.append(([*base, *where[first], "train.checkpoint.every=2"], tmp_path / f"whole_{first}"))
         resume = f"train.resume={tmp_path / f'whole_{first}' / step2}"
         runs.append(([*base, *where[then], resume, "train.checkpoint.every=0"], tmp_path / f"from_{first}"))
-    per_rank = run_distributed(_resume_ranks, 2, runs, timeout=400)
+    per_rank = run_distributed(_train_ranks, 2, runs, timeout=400)
     for rank_runs in per_rank:
         whole_mem, from_mem, whole_nvme, from_nvme = rank_runs
         _same_run(whole_nvme, tmp_path / "whole_nvme", whole_mem, tmp_path / "whole_mem")
@@ -114,6 +114,28 @@ def test_two_ranks_nvme_like_memory_and_resumed_across(tmp_path, stdlib):
             for r in got:
                 assert r["loss"] == rows[r["step"]]["loss"]
                 assert r["comm_bytes_intra"] == rows[r["step"]]["comm_bytes_intra"] > 0, (r, rows[r["step"]])
+
+
+@pytest.mark.distributed
+def test_two_ranks_nvme_like_memory_with_pipeline_stages_and_with_ep(tmp_path, stdlib):
+    # pp2 (each stage's engine has its own files) and ep2 inside dp=2 (expert slices over edp=1,
+    # dense over dp=2), each with the state in files and in memory: the same run bit for bit
+    runs = []
+    for name, layout in (
+        ("pp2", ["parallel=pp2", "parallel.zero_stage=3"]),
+        ("ep2", ["parallel=ep2", "parallel.zero_stage=2"]),
+    ):
+        for where, extra in (("mem", []), ("nvme", _nvme(tmp_path, f"offload_{name}"))):
+            runs.append(([*BASE, *layout, *extra], tmp_path / f"{name}_{where}"))
+    per_rank = run_distributed(_train_ranks, 2, runs, timeout=400)
+    for rank_runs in per_rank:
+        pp_mem, pp_nvme, ep_mem, ep_nvme = rank_runs
+        _same_run(pp_nvme, tmp_path / "pp2_nvme", pp_mem, tmp_path / "pp2_mem")
+        _same_run(ep_nvme, tmp_path / "ep2_nvme", ep_mem, tmp_path / "ep2_mem")
+        assert pp_mem["layout"]["pp"] == 2 and ep_mem["layout"]["ep"] == 2
+        assert pp_mem["train_losses"][-1] < pp_mem["train_losses"][0]
+    for name in ("pp2", "ep2"):  # the engines made their (nameless) files there
+        assert list((tmp_path / f"offload_{name}").iterdir()) == []
 
 
 def test_the_keys_reach_the_engine(tmp_path):
