@@ -59,6 +59,15 @@ def _parse_bool(v: str) -> bool:
     raise ValueError(f"expected true or false, got {v!r}")
 
 
+def _parse_offload(v: str) -> bool:
+    """``parallel.zero_offload``: none/false or cpu/true (the planner models no NVMe offload)."""
+    if v.lower() in ("none", "cpu"):
+        return v.lower() == "cpu"
+    if v.lower() == "nvme":
+        raise ValueError("parallel.zero_offload=nvme: the planner models none and cpu only")
+    return _parse_bool(v)
+
+
 def split_args(argv: list[str]) -> tuple[dict, list[str]]:
     """``plan.*`` values (typed) and the remaining Hydra overrides."""
     plan, rest = {}, []
@@ -87,7 +96,9 @@ def fixed_keys(overrides: list[str]) -> dict:
         if not sep or key not in FIXED:
             continue
         field = FIXED[key]
-        if field in ("zero_offload", "checkpoint_activations"):
+        if field == "zero_offload":
+            out[field] = _parse_offload(value)
+        elif field == "checkpoint_activations":
             out[field] = _parse_bool(value)
         elif field == "pp_schedule":
             out[field] = value

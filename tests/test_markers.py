@@ -8,7 +8,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 # what starts a process: the ranks' spawner, subprocess's entry points, multiprocessing
-STARTERS = {"run_distributed", "Popen", "check_output", "check_call"}
+STARTERS = {"run_distributed", "run_torchrun_nodes", "Popen", "check_output", "check_call"}
 STARTER_ATTRS = {("subprocess", "run"), ("subprocess", "Popen"), ("subprocess", "check_output"), ("mp", "Process")}
 
 

@@ -13,9 +13,11 @@ import sys
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 import zero
+from experiments.training.checks import offload_mode
 from experiments.training.optim import optimizer_factory
 from experiments.training.schema import model_config
 from moe.model import Transformer
@@ -25,11 +27,20 @@ from zero.pipeline import PipelinePlan, plan_pipeline
 def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
     """The single process, or, under torchrun, the groups the ``parallel`` config asks for; sizes are
     validated (naming the numbers) before any collective."""
+    node_size = pcfg.get("node_size", None)
     if zero.init_distributed(timeout_s=float(pcfg.timeout_s)):
+        if node_size is not None:  # before any group exists; torchrun's LOCAL_WORLD_SIZE is checked by Layout.build
+            zero.validate_node_size(dist.get_world_size(), node_size, "parallel.node_size")
         return zero.Layout.build(
-            ep=int(pcfg.ep), pp=int(pcfg.pp), num_experts=num_experts, timeout_s=float(pcfg.timeout_s)
+            ep=int(pcfg.ep),
+            pp=int(pcfg.pp),
+            num_experts=num_experts,
+            timeout_s=float(pcfg.timeout_s),
+            node_size=None if node_size is None else int(node_size),
         )
     zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep), num_experts)  # names the numbers when ep > 1 on one process
+    if node_size is not None:
+        zero.validate_node_size(1, node_size, "parallel.node_size")
     return zero.Layout.single()
 
 
@@ -88,8 +99,12 @@ def build_engine(
     """The ``zero.ZeroEngine`` for ``parallel.zero_stage`` (0-3): it owns the gradient reduction,
     clipping and the optimizer of ``optimizer_factory(cfg.optim)``, over two param groups: matrices
     decay, norm gains and other 1-D parameters do not. ``chunks``: the pipeline stages that run
-    ``model``'s layers (``split_model``); ZeRO-3 then keeps each block gathered for the step."""
+    ``model``'s layers (``split_model``); ZeRO-3 then keeps each block gathered for the step.
+    ``parallel.zero_offload`` (none | cpu | nvme, with ``offload_dir``) and the ZeRO++ keys
+    (``zero_hpz``, ``zero_qwz``, ``zero_qgz``, ``zero_qgz_bits``, ``zero_quant_block``) go to the
+    engine as they are."""
     pcfg, ocfg = cfg.parallel, cfg.optim
+    offload = offload_mode(pcfg.zero_offload)  # none | cpu | nvme (false/true: none/cpu)
     factory = optimizer_factory(ocfg)  # a bad optim.* stops here, before the engine's first collective
     wd = float(ocfg.weight_decay)
     pipeline = (
@@ -109,8 +124,15 @@ def build_engine(
         **pipeline,
         param_groups=lambda name, p: {"weight_decay": wd if p.dim() >= 2 else 0.0},
         max_grad_norm=float(cfg.train.grad_clip) if cfg.train.grad_clip > 0 else None,
-        offload=bool(pcfg.zero_offload),
+        offload=offload,
+        offload_dir=pcfg.offload_dir if offload == "nvme" else None,
+        offload_sub_group_elems=pcfg.offload_sub_group_elems if offload == "nvme" else None,
         mixed_precision=str(pcfg.zero_mixed_precision),
+        hpz=bool(pcfg.zero_hpz),
+        qwz=bool(pcfg.zero_qwz),
+        qgz=bool(pcfg.zero_qgz),
+        qgz_bits=int(pcfg.zero_qgz_bits),
+        quant_block=int(pcfg.zero_quant_block),
     )
 
 

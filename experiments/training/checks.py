@@ -7,7 +7,11 @@ knows its rules:
 
 - ``model.*``, ``moe.*``: ``moe.model.TransformerConfig`` and ``moe.MoEConfig`` (``schema.model_config``);
 - ``parallel.pp*``: ``zero.pipeline.plan_pipeline`` (``build.build_plan`` names the keys);
-- ``parallel.ep`` and ``parallel.pp`` against the world size: ``zero.Layout`` (``build.build_layout``);
+- ``parallel.ep`` and ``parallel.pp`` against the world size: ``zero.Layout`` (``build.build_layout``),
+  and ``parallel.node_size`` there too (``build.build_layout`` names the key);
+- whether ``parallel.offload_dir`` can hold the state, and whether the dp and edp groups split
+  evenly over the nodes (hpZ, qgZ): the engine, before its first collective, naming the directory
+  and the bytes, or ``node_size``;
 - ``optim.*``: ``optim.optimizer_factory``;
 - ``data.*``: ``data.build_data`` and its loaders; ``logger.*``: ``tracking.make_tracker``.
 """
@@ -23,9 +27,13 @@ from omegaconf import DictConfig
 import zero
 from experiments.training import schema
 from experiments.training.preemption import preemption_signals
+from zero.nvme import check_arguments as check_offload_arguments
 from zero.pipeline import PipelinePlan
 
 RESUME_CHOICES = ("auto", "none")
+OFFLOAD_CHOICES = ("none", "cpu", "nvme")
+_LEGACY_OFFLOAD = {"false": "none", "true": "cpu"}  # parallel.zero_offload was a bool
+QGZ_BITS = (4, 8)
 PRECISIONS = ("fp32", "bf16")
 _POSITIVE_TRAIN_KEYS = (
     "steps",
@@ -51,14 +59,88 @@ def check_config(cfg: DictConfig, layout: zero.Layout, plan: PipelinePlan | None
         raise ValueError(f"precision={cfg.precision!r} is invalid: expected 'fp32' or 'bf16'")
 
 
+def offload_mode(value) -> str:
+    """``parallel.zero_offload`` as ``none``, ``cpu`` or ``nvme``: the old boolean key's ``false`` and
+    ``true`` mean ``none`` and ``cpu`` (the schema's str field holds them as ``'False'``/``'True'``);
+    anything else is a ValueError naming the value."""
+    text = str(value)
+    mode = _LEGACY_OFFLOAD.get(text.lower(), text)
+    if mode not in OFFLOAD_CHOICES:
+        raise ValueError(
+            f"parallel.zero_offload={value!r} is invalid: expected none, cpu or nvme (or false/true, meaning none/cpu)"
+        )
+    return mode
+
+
 def check_parallel(pcfg, layout: zero.Layout) -> None:
-    """``parallel.zero_*``, and ``parallel.pp`` against a layout a driver may have built itself."""
-    if pcfg.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage={pcfg.zero_stage!r} is invalid: expected 0, 1, 2 or 3")
-    if int(pcfg.zero_stage) == 0 and pcfg.zero_offload:
-        raise ValueError("parallel.zero_offload=true needs parallel.zero_stage >= 1")
+    """``parallel.zero_*``, the offload and ZeRO++ keys, and ``parallel.pp`` and ``parallel.node_size``
+    against a layout a driver may have built itself."""
+    stage = pcfg.zero_stage
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage={stage!r} is invalid: expected 0, 1, 2 or 3")
+    check_offload(pcfg)
+    check_zeropp(pcfg)
     if layout.pp != pcfg.pp:
         raise ValueError(f"parallel.pp={pcfg.pp} but the layout has pp={layout.pp}")
+    node_size = pcfg.get("node_size", None)
+    if node_size is not None and layout.world > 1 and layout.node_size != node_size:
+        raise ValueError(f"parallel.node_size={node_size} but the layout has node_size={layout.node_size}")
+
+
+def check_offload(pcfg) -> None:
+    """``parallel.zero_offload``, ``parallel.offload_dir`` (required with nvme, refused without it) and
+    ``parallel.offload_sub_group_elems``."""
+    mode, stage = offload_mode(pcfg.zero_offload), int(pcfg.zero_stage)
+    shown = str(pcfg.zero_offload).lower() if str(pcfg.zero_offload).lower() in _LEGACY_OFFLOAD else mode
+    if mode != "none" and stage == 0:
+        raise ValueError(
+            f"parallel.zero_offload={shown} needs parallel.zero_stage >= 1 (it offloads the sharded optimizer "
+            f"state), got parallel.zero_stage=0"
+        )
+    offload_dir, sub_group = pcfg.get("offload_dir", None), pcfg.get("offload_sub_group_elems", None)
+    if mode == "nvme" and not offload_dir:
+        raise ValueError(
+            f"parallel.zero_offload=nvme needs parallel.offload_dir=<a directory on a local fast disk>, got "
+            f"parallel.offload_dir={offload_dir!r}"
+        )
+    for key, value in (("offload_dir", offload_dir), ("offload_sub_group_elems", sub_group)):
+        if mode != "nvme" and value is not None:
+            raise ValueError(
+                f"parallel.{key}={value!r} only applies to parallel.zero_offload=nvme; "
+                f"it is parallel.zero_offload={shown}"
+            )
+    if mode == "nvme":
+        try:
+            check_offload_arguments("nvme", offload_dir, sub_group)
+        except ValueError as e:
+            raise ValueError(f"parallel.{e}") from None
+
+
+def check_zeropp(pcfg) -> None:
+    """``parallel.zero_hpz``, ``zero_qwz`` (stage 3), ``zero_qgz`` (stages 1-3), ``zero_qgz_bits``
+    and ``zero_quant_block``; the node split of the groups is the engine's check (it names
+    ``node_size``)."""
+    stage = int(pcfg.zero_stage)
+    for key, what in (
+        ("zero_hpz", "partitions stage 3's sharded weights a second time"),
+        ("zero_qwz", "quantizes stage 3's weight all-gathers"),
+    ):
+        if pcfg.get(key, False) and stage != 3:
+            raise ValueError(
+                f"parallel.{key}=true needs parallel.zero_stage=3 (it {what}), got parallel.zero_stage={stage}"
+            )
+    if pcfg.get("zero_qgz", False) and stage == 0:
+        raise ValueError(
+            "parallel.zero_qgz=true needs parallel.zero_stage 1, 2 or 3 (it replaces the gradients' reduce-scatter), "
+            "got parallel.zero_stage=0, which all-reduces them"
+        )
+    bits, block = pcfg.get("zero_qgz_bits", 4), pcfg.get("zero_quant_block", 256)
+    if bits not in QGZ_BITS:
+        raise ValueError(f"parallel.zero_qgz_bits={bits!r} is invalid: expected 4 or 8 (int4 or int8 gradients)")
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(
+            f"parallel.zero_quant_block={block!r} is invalid: expected a positive integer (elements sharing one scale)"
+        )
 
 
 def check_train(t, layout: zero.Layout, plan: PipelinePlan | None = None) -> None:

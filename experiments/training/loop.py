@@ -10,7 +10,12 @@ the same thing as one process on the whole batch.
 A ``Trainer`` is built from the config (``__init__``: check, layout, data, model, engine,
 checkpoints, tracking) and ``run()`` loops over the steps: ``train_step`` (``forward_backward_step``
 then the engine's step), ``validate``, a log row (``log_row`` then ``publish``), ``save``; at the end
-``summary`` and ``report``. Shapes follow the project's legend (docs/design.md): B sequences, L
+``summary`` and ``report``. Every row also carries ``comm_bytes_intra`` and ``comm_bytes_inter``:
+the bytes one rank's engine sent per optimizer step, by link tier (``zero.comm``), averaged over the
+world's ranks; evaluation and checkpoint loading run under ``engine.comm.aside()`` and are not in
+them, nor is the model's own traffic (the MoE All-to-All, the pipeline's point-to-point).
+
+Shapes follow the project's legend (docs/design.md): B sequences, L
 sequence length, V vocabulary, M the MoE layers of the whole model, E the experts of one layer.
 """
 
@@ -125,8 +130,10 @@ class Trainer:
         """What the loop starts from: the checkpoint's state, the tracker and metrics.jsonl, the MoE
         statistics hooks, and the step's constants (micro-batches, forwards, tokens)."""
         cfg, tcfg, layout, device = self.cfg, self.tcfg, self.layout, self.device
-        # weights, optimizer, buffers and RNG are loaded; the loop's own state comes back here
-        self.resumed = self.ckpts.resume() or {}
+        # weights, optimizer, buffers and RNG are loaded; the loop's own state comes back here. A load
+        # re-gathers the weights (stages 1-2): no part of the first step's comm_bytes
+        with self.engine.comm.aside():
+            self.resumed = self.ckpts.resume() or {}
         self.start = self.resumed.get("step", 0)
         # skipped steps in a row up to the checkpoint
         self.guard.streak = [tuple(s) for s in self.resumed.get("bad_streak", [])]
@@ -224,6 +231,7 @@ class Trainer:
         gnorm = torch.as_tensor(self.engine.step(extra_finite=finite), dtype=torch.float32, device=self.device)
         self.memory.step_done()
         self.sums.steps_run += 1
+        self.sums.add_comm(self.engine.comm_bytes())  # a skipped step moved its bytes too
         if self.guard.update(self.engine, step + 1):
             self.guard.discard_load()
         else:
@@ -236,7 +244,8 @@ class Trainer:
         """The validation loss after step ``done``, kept in the history; its time is left out of the
         row's throughput."""
         t_eval = time.perf_counter()
-        self.val_metrics = validation(self.model, self.data, self.cfg, self.layout, self.device, self.pipe)
+        with self.engine.comm.aside():  # stage 3 gathers for it: no part of an optimizer step's bytes
+            self.val_metrics = validation(self.model, self.data, self.cfg, self.layout, self.device, self.pipe)
         self.val_loss = self.val_metrics["val_loss"]
         self.val_history.append((done, self.val_loss))
         self.sums.eval_s += time.perf_counter() - t_eval
@@ -258,6 +267,7 @@ class Trainer:
             "tokens_per_s": sums.steps_run * self.tokens_per_step / max(elapsed, 1e-9),
             "grad_norm": mean(sums.gnorm.item()),
             "skipped_steps": self.engine.skipped_steps,
+            **self.comm_per_step(),
         }
         if M:
             E = self.stats.num_experts
@@ -271,6 +281,19 @@ class Trainer:
             row.update(self.val_metrics)  # val_loss, and bits per byte and per-source values where known
         self.logged_losses.append(loss_mean)
         return row
+
+    def comm_per_step(self) -> dict:
+        """``comm_bytes_intra`` and ``comm_bytes_inter``: the bytes one rank sent per optimizer step
+        over the steps since the last row (skipped ones included), by link tier, as the engine's
+        ``zero.comm`` counts them, averaged over every rank of the world (pipeline stages hold
+        different layers; dp ranks of a stage send alike). An integer when the mean is one."""
+        sent = torch.tensor([self.sums.comm_intra, self.sums.comm_inter], dtype=torch.int64, device=self.device)
+        all_reduce_(sent, self.layout)
+        per = self.layout.world * max(self.sums.steps_run, 1)
+        out = {}
+        for key, total in zip(("comm_bytes_intra", "comm_bytes_inter"), sent.tolist()):
+            out[key] = total // per if total % per == 0 else total / per
+        return out
 
     def publish(self, row: dict, bar: tqdm) -> None:
         """Rank 0: the row into metrics.jsonl, the tracker and the progress bar."""

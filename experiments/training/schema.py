@@ -149,9 +149,22 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # stages per pipeline rank: 1, >= 2 for interleaved_*, 2 for zbv and dualpipev
     pp_layers: list[int] | None = None  # layers of each stage in order (sum n_layers + 2); null: as even as possible
     zero_stage: int = 0  # 0 replicated | 1 shard optimizer state | 2 + gradients | 3 + parameters
-    zero_offload: bool = False  # ZeRO-Offload: optimizer state and step on the CPU (stages 1-3)
+    # none | cpu (ZeRO-Offload: optimizer state, fp32 masters and the step on the CPU) | nvme
+    # (ZeRO-Infinity: the step on the CPU, masters and state in files under offload_dir); stages 1-3.
+    # false/true (the old boolean key) mean none/cpu
+    zero_offload: str = "none"
+    offload_dir: str | None = None  # nvme only, and required there: a directory on a local fast disk
+    offload_sub_group_elems: int | None = None  # nvme: elements per streamed sub-group; null: zero.nvme's default
     # fp32 everywhere, or bf16 compute weights/grads with fp32 master + moments (stages 1-3)
     zero_mixed_precision: str = "fp32"
+    # ranks per node for the link tiers (ZeRO++, comm_bytes_intra/inter); null: torchrun's
+    # LOCAL_WORLD_SIZE, else the whole world is one node
+    node_size: int | None = None
+    zero_hpz: bool = False  # ZeRO++ hpZ (stage 3): a node-local secondary weight partition, exact
+    zero_qwz: bool = False  # ZeRO++ qwZ (stage 3): int8 weight all-gathers, fp32 scale per zero_quant_block
+    zero_qgz: bool = False  # ZeRO++ qgZ (stages 1-3): hierarchical quantized gradient all-to-all
+    zero_qgz_bits: int = 4  # qgZ's gradient bits: 4 or 8
+    zero_quant_block: int = 256  # qwZ and qgZ: elements per fp32 scale
     timeout_s: float = 300.0  # a collective waiting longer than this (a dead rank) ends the run with an error
     auto: bool = False  # the planner's fastest layout for the world size (conf/parallel/auto.yaml)
 

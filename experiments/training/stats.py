@@ -84,8 +84,14 @@ class RowSums:
         self.load_ME = torch.zeros(M, E, dtype=torch.float64, device=device)
         self.aux_M = torch.zeros(M, dtype=torch.float64, device=device)
         self.drop_M = torch.zeros(M, dtype=torch.float64, device=device)
+        self.comm_intra = self.comm_inter = 0  # bytes this rank sent in the steps run (zero.comm's count)
         self.t = time.perf_counter()
         self.eval_s = 0.0
+
+    def add_comm(self, sent: dict) -> None:
+        """A step run, taken or skipped: the bytes ``engine.comm_bytes()`` says it sent."""
+        self.comm_intra += int(sent["intra"])
+        self.comm_inter += int(sent["inter"])
 
     def add(self, loss: torch.Tensor, gnorm: torch.Tensor, stats: MoEStatSums) -> None:
         """A step taken (not skipped): its loss, gradient norm and MoE statistics."""

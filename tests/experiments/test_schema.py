@@ -152,7 +152,7 @@ def test_mistyped_key_is_rejected_naming_it(override, key):
         ("moe.capacity_factor=lots", "moe.capacity_factor"),
         ("model.d_model=1.5", "model.d_model"),
         ("model.tie_embeddings=maybe", "model.tie_embeddings"),
-        ("parallel.zero_offload=perhaps", "parallel.zero_offload"),
+        ("parallel.zero_hpz=perhaps", "parallel.zero_hpz"),
         ("optim.lr=fast", "optim.lr"),
         ("optim.betas=0.9", "optim.betas"),
         ("data.vocab_size=big", "data.vocab_size"),

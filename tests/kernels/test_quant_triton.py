@@ -102,7 +102,7 @@ def test_bad_input_is_refused():
         triton_ops.dequantize_blockwise(torch.zeros(10, dtype=torch.int8), torch.zeros(2), 4)
 
 
-@pytest.mark.distributed
+@pytest.mark.distributed  # a fresh interpreter
 @pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
 def test_in_fresh_process():
     # this module's tests, run where triton is first imported with the interpreter on

@@ -5,6 +5,7 @@ memory and kill -9 tests (``python -m tests.support.nvme_cases <what> ...``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -128,7 +129,8 @@ def ep2_rank(rank, world, offload_root, ckpt_root):
 
 def pp2_rank(rank, world, offload_dir):
     """Two pipeline stages (1F1B, 2 micro-batches) of a small transformer under ZeRO-3: the same
-    rank trains in memory, then in files; both must match bit for bit."""
+    rank trains in memory, then in files, with AdamW and with SGD (momentum); each pair must match
+    bit for bit."""
     import torch.nn.functional as nnf
 
     import moe
@@ -139,7 +141,7 @@ def pp2_rank(rank, world, offload_dir):
     torch.set_num_threads(1)
     layout = Layout.build(pp=2)
     results = {}
-    for offload in ("none", "nvme"):
+    for opt, offload in itertools.product(("adamw", "sgd"), ("none", "nvme")):
         moe_cfg = moe.MoEConfig(d_model=16, d_ff=16, num_experts=4, top_k=2, aux_loss_coef=0.01)
         cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=8, moe=moe_cfg)
         torch.manual_seed(0)
@@ -156,7 +158,7 @@ def pp2_rank(rank, world, offload_dir):
             blocks=default_blocks(held),
             entries=chunks,
             keep_gathered_across_microbatches=True,
-            optimizer=OPTIMIZERS["adamw"],
+            optimizer=OPTIMIZERS[opt],
             offload=offload,
             **extra,
         )
@@ -171,9 +173,14 @@ def pp2_rank(rank, world, offload_dir):
             out = pipe.step(tokens[:, :-1], tokens[:, 1:])
             engine.step()
             losses.append([v.item() for v in out])
-        results[offload] = {"losses": losses, "weights": engine.full_parameters()}
-    a, b = results["none"], results["nvme"]
-    return a["losses"] == b["losses"] and all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
+        results[opt, offload] = {"losses": losses, "weights": engine.full_parameters()}
+    same = []
+    for opt in ("adamw", "sgd"):
+        a, b = results[opt, "none"], results[opt, "nvme"]
+        same.append(
+            a["losses"] == b["losses"] and all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
+        )
+    return all(same)
 
 
 # ----- subprocess scripts ------------------------------------------------------------------------

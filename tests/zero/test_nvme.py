@@ -160,7 +160,7 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
     assert all(p.data.data_ptr() for p in net.parameters())  # the model is untouched
 
 
-@pytest.mark.distributed
+@pytest.mark.distributed  # a subprocess (mount, or a fresh interpreter)
 def test_a_bad_offload_dir_is_refused_by_name_with_the_bytes(tmp_path, monkeypatch):
     def attempt(d):
         with pytest.raises(ValueError) as info:
@@ -227,7 +227,7 @@ def _subprocess(*args, timeout=300):
     )
 
 
-@pytest.mark.distributed
+@pytest.mark.distributed  # a subprocess (mount, or a fresh interpreter)
 def test_resident_memory_is_bounded_by_the_buffers_not_the_state(tmp_path):
     """A fresh process: each of three AdamW steps of a 3.1M-parameter net (36 MiB of master weights
     and moments) raises the peak resident memory by about the buffers (3 MiB; measured 2.0 MiB, as
@@ -246,7 +246,7 @@ def test_resident_memory_is_bounded_by_the_buffers_not_the_state(tmp_path):
     assert files["files_left"] == []
 
 
-@pytest.mark.distributed
+@pytest.mark.distributed  # a subprocess (mount, or a fresh interpreter)
 def test_a_kill_during_an_update_leaves_the_last_checkpoint_intact(tmp_path):
     offload, root, marker = tmp_path / "offload", tmp_path / "ckpt", tmp_path / "marker"
     root.mkdir()

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from experiments.training.build import build_plan
 from experiments.training.checks import check_config
 from moe.model import Transformer, TransformerConfig
 from tests.support.dist import RankExited, run_distributed
+from tests.support.torchrun import run_torchrun_nodes
 from tests.support.training import SHORT, assemble_weights, cfg_of, metrics_rows, run
 from zero import Layout, predict_memory
 from zero.pipeline import SCHEDULES, even_split, plan_pipeline
@@ -427,45 +426,24 @@ def test_a_stage_that_dies_ends_the_other_with_an_error(tmp_path):
 
 @pytest.mark.distributed
 def test_two_torchrun_nodes_one_stage_each(tmp_path, stdlib):
-    # two torchrun agents as two "nodes" (--nnodes=2, c10d rendezvous), one process each, one
-    # pipeline stage each. The rendezvous store is served here on a port the OS picks; both agents
-    # find it taken and join it as clients (c10d's fallback), so no port is chosen and raced for.
-    from experiments.launch import start_rendezvous
-
-    store = start_rendezvous()
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    # two torchrun agents as two "nodes", one process each, one pipeline stage each
     run_dir = tmp_path / "two_nodes"
     args = ["parallel=pp2", *BASE, "train.steps=4", "train.eval_every=4", f"hydra.run.dir={run_dir}"]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint=127.0.0.1:{store.port}",
-                "--rdzv_id=pp_two_nodes",
-                "-m",
-                "experiments.train",
-                *args,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    del store
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert sum(out.count("final val loss") for out, _ in outs) == 1  # global rank 0 alone reports
+    outs = run_torchrun_nodes(args, nnodes=2, nproc_per_node=1, rdzv_id="pp_two_nodes")
+    for code, _, err in outs:
+        assert code == 0, err[-3000:]
+    assert sum(out.count("final val loss") for _, out, _ in outs) == 1  # global rank 0 alone reports
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["layout"]["pp"] == 2 and summary["layout"]["world"] == 2
+    # the bytes each stage's engine sends: with dp=1 it gathers and reduces nothing, so only the
+    # gradient norm's all-reduce over the two stages (the loss flags ride in it: the norm, then an
+    # aux and a z loss per MoE layer and the loss, fp32), between nodes of one rank each (zero.comm:
+    # an all-reduce of N bytes over 2 ranks on 2 nodes sends N). The pipeline's activations and
+    # gradients (point-to-point) are the model's traffic, not the engine's: not counted
+    norm_bytes = 4 * (1 + 2 * summary["moe_layers"] + 1)
+    assert summary["moe_layers"] > 0
+    for r in metrics_rows(run_dir):
+        assert (r["comm_bytes_intra"], r["comm_bytes_inter"]) == (0, norm_bytes), r
     single = run(cfg_of(*BASE, "train.steps=4", "train.eval_every=4", "train.grad_accum=4"), tmp_path, stdlib, "one")
     np.testing.assert_allclose(summary["train_losses"], single["train_losses"], rtol=LOSS_RTOL)
     assert summary["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=LOSS_RTOL)

@@ -43,7 +43,7 @@ MODEL = [
 
 
 from experiments.training.build import build_engine, build_model, build_plan  # noqa: E402
-from experiments.training.checks import check_parallel, check_train  # noqa: E402
+from experiments.training.checks import check_parallel, check_train, offload_mode  # noqa: E402
 from experiments.training.schema import model_config  # noqa: E402
 
 
@@ -154,7 +154,8 @@ def test_every_listed_layout_passes_the_trainer_through_its_own_overrides(settin
             assert plan.microbatches == r.pp_microbatches and plan.virtual == r.pp_virtual_stages
             for rank in range(r.pp):
                 setting.model.keep_layers([plan.ranges[st] for st in plan.stages_of(rank)])
-        assert not (cfg.parallel.zero_offload and cfg.parallel.zero_stage == 0)
+        assert offload_mode(cfg.parallel.zero_offload) == ("cpu" if r.zero_offload else "none")
+        assert not (r.zero_offload and cfg.parallel.zero_stage == 0)
     # Hydra itself takes the overrides (a sample: composing is slow)
     for r in random.Random(0).sample(recs, 4):
         cfg = cfg_of(*MODEL, f"model.tie_embeddings={str(setting.tied).lower()}", *r.overrides())

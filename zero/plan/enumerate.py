@@ -93,7 +93,9 @@ class LayoutRecord:
         if self.pp > 1:
             names += ["pp_schedule", "pp_virtual_stages", "pp_microbatches"]
         names += ["checkpoint_activations", "grad_accum"]
-        return [f"{KEYS[k]}={_fmt(getattr(self, k))}" for k in names]
+        # zero_offload: the trainer's none | cpu (the planner does not model nvme)
+        value = {"zero_offload": lambda v: "cpu" if v else "none"}
+        return [f"{KEYS[k]}={value.get(k, _fmt)(getattr(self, k))}" for k in names]
 
     def label(self) -> str:
         parts = [f"pp{self.pp}"]
@@ -123,7 +125,7 @@ def layout_problem(
     if rec.zero_stage not in (0, 1, 2, 3):
         return f"parallel.zero_stage={rec.zero_stage!r} is invalid: expected 0, 1, 2 or 3"
     if rec.zero_offload and rec.zero_stage == 0:
-        return "parallel.zero_offload=true needs parallel.zero_stage >= 1"
+        return "parallel.zero_offload=cpu needs parallel.zero_stage >= 1"
     if rec.grad_accum < 1 or rec.batch_size % (rec.dp * rec.grad_accum):
         return f"train.batch_size={rec.batch_size} must be divisible by dp={rec.dp} x train.grad_accum={rec.grad_accum}"
     try:
