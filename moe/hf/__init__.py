@@ -9,8 +9,12 @@ moe`` never imports this package, and importing it imports neither transformers 
 - ``moe.hf.logits_tap``: how a patched layer's router logits reach transformers' output recorder.
 - ``moe.hf.adapter``: the tables a model-family adapter is made of, read in both directions
   (``Adapter``, ``Row``, ``Fixed``), and transformers 5's fused expert layout against ours.
-- ``moe.hf.mixtral``: the Mixtral adapter: a Switchyard ``Transformer`` as a Mixtral checkpoint
-  and back (``export_mixtral``, ``import_mixtral``, ...).
+- ``moe.hf.families``: ``import_model`` / ``export_model``, any supported family's checkpoint
+  directory as our ``Transformer`` and back, the family picked by ``model_type`` (``FAMILIES``).
+- ``moe.hf.mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``, ``deepseek_v3``: one adapter per
+  family, each one mapping table read both ways (``moe.hf.common``: the rows and fields they
+  share; ``moe.hf.arch``: what a config's weights compute, compared to refuse what a family
+  cannot carry). ``export_mixtral``/``import_mixtral`` are the Mixtral case.
 - ``moe.hf.safetensors_io``: safetensors files tensor by tensor (``TensorSource``,
   ``SafetensorsFiles``, ``write_safetensors``, shards and their index).
 
@@ -22,6 +26,7 @@ Note: ``moe.hf.patch`` is the function, which hides the submodule of that name a
 # moe.hf._BLOCKS and moe.hf._patched_layers; a patched model pickled while this package was one
 # module, moe/hf.py, names _new_tap, _SavePretrained and _load_stock_layout as moe.hf.<name>.
 from .adapter import fused_to_ours, ours_to_fused
+from .families import FAMILIES, config_of, export_model, import_model, import_state_dict, read_config
 from .logits_tap import _new_tap as _new_tap
 from .mixtral import (
     export_mixtral,
@@ -40,6 +45,12 @@ from .stock import _SavePretrained as _SavePretrained
 from .stock import save_pretrained, stock_state_dict, unpatch
 
 __all__ = [
+    "import_model",
+    "export_model",
+    "import_state_dict",
+    "read_config",
+    "config_of",
+    "FAMILIES",
     "patch",
     "unpatch",
     "stock_state_dict",

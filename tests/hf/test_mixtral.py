@@ -21,6 +21,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moe import MoEConfig  # noqa: E402
 from moe.hf.mixtral import (  # noqa: E402
+    MIXTRAL,
     TABLE,
     ZERO_IN_MIXTRAL,
     _read,
@@ -115,11 +116,13 @@ def test_the_table_names_every_tensor_of_both_models():
     ours, hf = _ours(), _hf()
     cfg = ours.cfg
 
-    def names(templates):
-        return {t.format(i=i) for t in templates for i in range(NL)}
+    def names(templates, i=None):
+        return {t.format(i=k) for t in templates for k in (range(NL) if i is None else [i])}
 
-    assert names([t for row in TABLE for t in row.ours] + list(ZERO_IN_MIXTRAL)) == set(ours.state_dict())
-    assert names([t for row in TABLE for t in row.module]) == set(hf.state_dict())
+    rows = list(MIXTRAL.rows(cfg))  # the table's rows this config's blocks have
+    assert {n for r, i in rows for n in names(r.ours, i)} | names(ZERO_IN_MIXTRAL) == set(ours.state_dict())
+    assert {n for r, i in rows for n in names(r.module, i)} == set(hf.state_dict())
+    assert {r for r, _ in rows} < set(TABLE)  # and some it has not (q/k norms, a qkv bias)
     # and the in-memory conversion fills a live transformers model exactly
     hf.load_state_dict(to_mixtral_state_dict(ours.state_dict(), cfg), strict=True)
     _logits_match(ours, hf, "ours vs transformers (state dict)")
@@ -223,12 +226,13 @@ def test_export_refuses_a_slice_of_the_experts_and_wrong_shapes(tmp_path):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(num_key_value_heads=2), r"num_key_value_heads=2"),
+        (dict(attention_bias=True), r"attention_bias=True"),
+        (dict(quantization_config={"quant_method": "fp8"}), r"quantization_config='fp8'"),
         (dict(sliding_window=16), r"sliding_window=16"),
         (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
         (
-            dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
-            r"rope_parameters=.*linear",
+            dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+            r"rope_parameters=.*dynamic",
         ),
         (dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1"),
     ],
