@@ -10,8 +10,8 @@ tables): the same formulas in another order (SDPA against eager attention, group
 a loop), measured <= 5e-6; a wrong detail moves it by 1e-3 or more. Export (the exported directory
 in transformers against ours): ``||a - b|| / ||b|| <= 1e-6`` on the logits (tests/hf/test_mixtral.py's
 measure), measured <= 6e-7: the same weights and the same computation as the import check, forward
-only; the largest entry's error alone reaches 1.7e-6 (DeepSeek-V3's latent attention). Round trips are bit for bit: moving weights is
-copies and transposes.
+only; the largest entry's error alone reaches 1.7e-6 (DeepSeek-V3's latent attention). Round
+trips are bit for bit: moving weights is copies and transposes.
 """
 
 from __future__ import annotations
