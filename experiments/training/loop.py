@@ -43,6 +43,7 @@ from experiments.training.checkpointing import TrainCheckpoints
 from experiments.training.checks import check_config
 from experiments.training.data import LMData, build_data
 from experiments.training.evaluate import evaluate, lm_loss
+from experiments.training.hf_init import resolve_init_from
 from experiments.training.nonfinite import StepGuard
 from experiments.training.optim import lr_at
 from experiments.training.stats import MoEStatSums, RowSums, all_reduce_, sum_over_stages
@@ -61,6 +62,7 @@ class Trainer:
         layout: zero.Layout | None = None,
         data: LMData | None = None,
     ):
+        cfg = resolve_init_from(cfg)  # model.init_from: the checkpoint's architecture (config.json only)
         plan = build_plan(cfg)  # a bad pipeline config stops here, before any process group
         layout = layout or build_layout(cfg.parallel, cfg.moe.num_experts if cfg.model.moe_every else None)
         check_config(cfg, layout, plan)
@@ -78,7 +80,7 @@ class Trainer:
         self.data = data
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
         random.seed(cfg.seed)  # and Python's generator (checkpoints carry its state) for code that uses it
-        model = build_model(cfg, layout).to(device)
+        model = build_model(cfg, layout, plan).to(device)
         model.train()
         if self.tcfg.compile:
             model.compile_blocks()

@@ -33,7 +33,8 @@ Why the moe dataclasses serve as schema as they are (and what is derived):
   place to set every moe key. Generating it (rather than copying the fields) keeps
   ``moe.model.TransformerConfig`` the one source of names, types and defaults; the generated class
   has no ``__post_init__``, validation stays where it is. The trainer's own model keys
-  (``MODEL_TRAINER_FIELDS``: ``init_from``, the checkpoint a run starts from) are appended: they are
+  (``MODEL_TRAINER_FIELDS``: ``init_from``, the checkpoint a run starts from, and ``hf_family``,
+  its family) are appended: they are
   not architecture, so ``TransformerConfig`` does not carry them.
 - ``+key=value`` is Hydra's explicit "add a key the config does not have": it opens struct mode, so
   no schema can refuse it at compose time. ``check_keys`` (called by
@@ -90,8 +91,11 @@ def _schema_from(
 
 # the model group's keys that are the trainer's, not the architecture's: (name, type, default)
 MODEL_TRAINER_FIELDS = (
-    # a transformers Mixtral checkpoint directory whose weights the run starts from (moe.hf.mixtral)
+    # a transformers checkpoint directory (any family moe.hf maps) whose config and weights the run
+    # starts from (experiments.training.hf_init)
     ("init_from", str | None, None),
+    # the model_type of that checkpoint (set from it, not by hand): what export-hf writes back
+    ("hf_family", str | None, None),
 )
 # the model group: TransformerConfig without its `moe` field (the moe group is separate), plus
 # the trainer's own keys, which model_config takes out before building

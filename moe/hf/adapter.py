@@ -45,117 +45,7 @@ from .safetensors_io import (
     plan_shards,
     write_sharded,
 )
-
-# ---------------------------------------------------------------------------------------------
-# the expert layouts (also used by moe.hf.patch, which copies transformers' fused experts through them)
-
-
-def fused_to_ours(gate_up: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformers 5's fused experts -> ``(w1, w3, w2)`` in our layout, as views (no copy).
-
-    ``gate_up [X, 2F, D]`` holds the gate rows then the up rows of each expert; ``down [X, D, F]``.
-    Ours: ``w1, w3 [X, D, F]``, ``w2 [X, F, D]``."""
-    F = down_XDF.shape[2]
-    return gate_up[:, :F].transpose(1, 2), gate_up[:, F:].transpose(1, 2), down_XDF.transpose(1, 2)
-
-
-def ours_to_fused(
-    w1_XDF: torch.Tensor, w3_XDF: torch.Tensor, w2_XFD: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w1, w3, w2)`` -> transformers 5's ``(gate_up [X, 2F, D], down [X, D, F])`` (contiguous copies)."""
-    return torch.cat([w1_XDF.transpose(1, 2), w3_XDF.transpose(1, 2)], dim=1), w2_XFD.transpose(1, 2).contiguous()
-
-
-# ---------------------------------------------------------------------------------------------
-# the tables
-
-
-def same(cfg, *ts):
-    return ts
-
-
-def always(cfg, i) -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class Row:
-    """Our tensors ``ours`` are the family's ``module`` tensors (the transformers 5 module layout) by
-    ``to_module(cfg, *ours)``/``to_ours(cfg, *theirs)``. ``file`` names the same tensors in a
-    checkpoint file: the module names, except for the experts (``experts=True``: dimension 0 runs
-    over experts), which a file stores one tensor per expert: ``file[j]`` of expert e is
-    ``ours[j][e]`` transposed. ``{i}`` in a name is the block, ``{e}`` the expert; ``when(cfg, i)``:
-    whether block i of a model of ``cfg`` has the row (a dense block's FFN, a qkv bias...)."""
-
-    ours: tuple[str, ...]
-    module: tuple[str, ...]
-    file: tuple[str, ...]
-    to_module: Callable = same
-    to_ours: Callable = same
-    experts: bool = False
-    when: Callable[[TransformerConfig, int], bool] = always
-
-
-def row(ours, module, file=None, **kw) -> Row:
-    """A ``Row``; ``file`` defaults to the module names."""
-    return Row(tuple(ours), tuple(module), tuple(file if file is not None else module), **kw)
-
-
-OMIT = object()  # a Field's to_theirs result: the field is not written
-
-
-def _keep(value, other):
-    return value
-
-
-@dataclass(frozen=True)
-class Field:
-    """Our config field ``ours`` (``"d_model"``, ``"moe.top_k"``) is their field ``theirs``
-    (``"hidden_size"``; dotted into a dict: ``"rope_parameters.rope_theta"``).
-    ``to_theirs(value, our_cfg)`` and ``to_ours(value, their_cfg)`` convert (an absent field of
-    theirs reads as None; ``to_ours`` returning None leaves our default; ``to_theirs`` returning
-    ``OMIT`` writes nothing)."""
-
-    ours: str
-    theirs: str
-    to_theirs: Callable = _keep
-    to_ours: Callable = _keep
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """A field of their config with one valid value for our model. ``export(cfg)``: the value export
-    writes (None: the field is not written, the config class's default stands). ``accepts(value,
-    hf_cfg)``: whether import takes the config's value (None: any; an absent field reads as None).
-    ``why`` (or ``why(hf_cfg)``) says why nothing else is valid; ``shown(value)`` names a refused
-    value."""
-
-    field: str
-    export: Callable[[TransformerConfig], object] | None
-    accepts: Callable[[object, object], bool] | None
-    why: str | Callable[[object], str] = ""
-    shown: Callable[[object], object] = lambda value: value
-
-
-def names(templates: tuple[str, ...], i: int, e: int | None = None) -> list[str]:
-    return [t.format(i=i, e=e) for t in templates]
-
-
-def get_field(obj, dotted: str):
-    """``obj.a.b`` or ``obj["a"]["b"]``; None where a part is absent."""
-    for part in dotted.split("."):
-        if obj is None:
-            return None
-        obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
-    return obj
-
-
-def _put(out: dict, dotted: str, value) -> None:
-    *parents, last = dotted.split(".")
-    for p in parents:
-        out = out.setdefault(p, {})
-    out[last] = value
-
+from .tables import OMIT, Field, Fixed, Row, get_field, names, put_field
 
 # in old checkpoints: non-persistent buffers, recomputed from the config on both sides
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -191,10 +81,10 @@ class Adapter:
         for f in self.fields:
             value = f.to_theirs(get_field(cfg, f.ours), cfg)
             if value is not OMIT:
-                _put(out, f.theirs, value)
+                put_field(out, f.theirs, value)
         for f in self.fixed:
             if f.export is not None:
-                _put(out, f.field, f.export(cfg))
+                put_field(out, f.field, f.export(cfg))
         return out
 
     def check_exportable(self, cfg: TransformerConfig, *, dropless: bool = True) -> None:
@@ -205,7 +95,11 @@ class Adapter:
         dropless and so compute something else."""
         try:
             back = self.transformer_config(self.theirs(cfg), checked=False)
-        except ValueError as e:  # their config of ours is not a valid one of ours: the field is named in e
+        except ValueError as e:  # their config of ours is not a valid one of ours: a fixed field of ours differs
+            for field, want in self.ours_fixed.items():
+                if get_field(cfg, field) != want:
+                    name = field if field.startswith("moe.") else f"model.{field}"
+                    raise self._bad(name, get_field(cfg, field), f"a {self.name} model has {name}={want!r}") from None
             raise ValueError(f"{self.name} cannot carry this model: {e}") from None
         mine, theirs = architecture(cfg), architecture(back)
         for key, value in mine.items():

@@ -13,7 +13,7 @@ import torch
 
 from ..model import _ROPE_PARAMS
 from ..rope import ROPE_SCALINGS
-from .adapter import OMIT, Field, Fixed, fused_to_ours, ours_to_fused, row
+from .tables import OMIT, Field, Fixed, fused_to_ours, ours_to_fused, row
 
 L = "model.layers.{i}."
 A = L + "self_attn."

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from .adapter import Adapter, Field, Fixed, row
+from .adapter import Adapter
 from .common import (
     ATTN_NORM,
     COMMON_FIXED,
@@ -42,6 +42,7 @@ from .common import (
     moe_rows,
     shared_rows,
 )
+from .tables import Field, Fixed, row
 
 TABLE = (
     *EMBED,

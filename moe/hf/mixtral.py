@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from ..model import Transformer, TransformerConfig
-from .adapter import Adapter, Field, Fixed
+from .adapter import Adapter
 from .common import (
     ALL_MOE,
     ATTN_NORM,
@@ -81,6 +81,7 @@ from .common import (
     moe_rows,
 )
 from .safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsFiles, TensorSource
+from .tables import Field, Fixed
 
 # ---------------------------------------------------------------------------------------------
 # the tables

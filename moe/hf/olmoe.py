@@ -12,7 +12,7 @@ expert, no biases. Refused: ``clip_qkv`` (a clamp of q, k, v ours does not have)
 
 from __future__ import annotations
 
-from .adapter import Adapter, Field, Fixed
+from .adapter import Adapter
 from .common import (
     ALL_MOE,
     ATTN_NORM,
@@ -31,6 +31,7 @@ from .common import (
     SOFTMAX_ROUTING,
     moe_rows,
 )
+from .tables import Field, Fixed
 
 TABLE = (*EMBED, *ATTN_NORM, *MHA, *FFN_NORM, *moe_rows(), *HEAD)
 FIELDS = (

@@ -16,7 +16,7 @@ unsupported rotary scaling, quantization, and the rest of ``moe.hf.common.COMMON
 
 from __future__ import annotations
 
-from .adapter import Adapter, Field, row
+from .adapter import Adapter
 from .common import (
     ATTN_NORM,
     COMMON_FIXED,
@@ -38,6 +38,7 @@ from .common import (
     moe_rows,
     shared_rows,
 )
+from .tables import Field, row
 
 TABLE = (
     *EMBED,

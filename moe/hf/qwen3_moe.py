@@ -13,7 +13,7 @@ layers, and the rest of ``moe.hf.common.COMMON_FIXED``.
 
 from __future__ import annotations
 
-from .adapter import Adapter, Field
+from .adapter import Adapter
 from .common import (
     ALL_MOE,
     ATTN_NORM,
@@ -36,6 +36,7 @@ from .common import (
     SOFTMAX_ROUTING,
     moe_rows,
 )
+from .tables import Field
 
 TABLE = (*EMBED, *ATTN_NORM, *MHA, *FFN_NORM, *DENSE_FFN, *moe_rows(), *HEAD)
 FIELDS = (

@@ -337,12 +337,21 @@ def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
     assert abs(single["train_losses"][0] - ref) <= RTOL * ref, (single["train_losses"][0], ref)
 
 
-def test_init_from_names_the_mismatch(tmp_path):
-    from experiments.training.build import build_model
+def test_init_from_takes_the_config_and_names_a_conflicting_override(tmp_path):
+    from experiments.training.hf_init import resolve_init_from
 
-    transformers.MixtralConfig(**dict(TRAIN_MX, num_local_experts=4)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"moe\.num_experts=8 \(checkpoint: num_local_experts=4\)"):
-        build_model(cfg_of(*INIT_RUN, f"model.init_from={tmp_path}"))
+    transformers.MixtralConfig(**dict(TRAIN_MX, num_local_experts=4, num_key_value_heads=1)).save_pretrained(tmp_path)
+    run = [*INIT_RUN, f"model.init_from={tmp_path}"]
+    cfg = resolve_init_from(cfg_of(*run), overrides=run)  # model=tiny's values give way to the checkpoint's
+    assert (cfg.moe.num_experts, cfg.model.n_kv_heads, cfg.model.hf_family) == (4, 1, "mixtral")
+    assert cfg.model.max_seq_len == 32 and cfg.moe.aux_loss_coef == 0  # the run's own settings stay
+    bad = [*run, "moe.num_experts=8"]
+    with pytest.raises(
+        ValueError, match=r"moe\.num_experts=8 conflicts with the checkpoint: .* has moe\.num_experts=4"
+    ):
+        resolve_init_from(cfg_of(*bad), overrides=bad)
+    same = [*run, "moe.num_experts=4", "model.rope_theta=10000"]  # agreeing overrides are fine
+    resolve_init_from(cfg_of(*same), overrides=same)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +386,7 @@ def test_export_hf_turns_a_training_checkpoint_into_a_mixtral_directory(tmp_path
 
     monkeypatch.setattr(ec.CheckpointTensors, "_tensor", tracked)
     assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "mx")]) == 0
-    assert "wrote a transformers Mixtral checkpoint" in capsys.readouterr().out
+    assert "wrote a transformers Mixtral checkpoint" in capsys.readouterr().out  # the one family that carries it
     assert len(reads) == len(set(reads)) and set(run["weights"]) <= set(reads)  # each once
     hf = _from_pretrained(tmp_path / "mx")
     assert hf.config.num_local_experts == ours.cfg.moe.num_experts and hf.config.vocab_size == 256
@@ -421,5 +430,9 @@ def test_export_hf_refuses_a_model_mixtral_cannot_compute(tmp_path, stdlib, caps
     )
     assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "mx")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: moe.score_func='sigmoid' cannot be a Mixtral model"), err
+    # the run was not started from a transformers checkpoint: no family can carry it, each says why
+    assert err.startswith(
+        "error: no supported family can carry this model: moe.score_func='sigmoid' cannot be a Mixtral"
+    )
+    assert "model.attention='mha' cannot be a DeepSeek-V3 model" in err, err
     assert not (tmp_path / "mx").exists()

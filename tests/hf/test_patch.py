@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import moe.hf as hf  # noqa: E402
 from moe import MoELayer  # noqa: E402
-from moe.hf.adapter import ours_to_fused  # noqa: E402
+from moe.hf.tables import ours_to_fused  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
