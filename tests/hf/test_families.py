@@ -4,7 +4,7 @@ DeepSeek-V3): tiny random transformers models (built from each config class, sav
 heads (GQA ratios 1, 2, 4), head dims 6 and 10, MLA with and without a query latent.
 
 Tolerances. Import (ours against the stock model, fp32): ``max |ours - theirs| / max |theirs| <=
-1e-5`` for the logits and every weight's gradient, as in tests/moe/test_architectures.py (whose
+1e-5`` for the logits and every weight's gradient, as in tests/moe/architectures.py (whose
 naive name mapping ``hf_to_ours`` maps transformers' gradients here, independently of the adapter
 tables): the same formulas in another order (SDPA against eager attention, grouped experts against
 a loop), measured <= 5e-6; a wrong detail moves it by 1e-3 or more. Export (the exported directory
@@ -26,7 +26,7 @@ pytest.importorskip("safetensors")
 
 import moe.hf as mh  # noqa: E402
 from moe.hf.safetensors_io import SafetensorsFiles  # noqa: E402
-from tests.moe.test_architectures import hf_to_ours, randomize_, rel_err  # noqa: E402
+from tests.moe.architectures import hf_to_ours, randomize_, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -135,7 +135,7 @@ def _hf_model(case: str, **over):
     kw = {k: v for k, v in {**kw, **over}.items() if not (k == "rope_parameters" and v is None)}
     hf_cfg = getattr(transformers, cls)(vocab_size=V, hidden_size=D, tie_word_embeddings=False, **kw)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").float()
-    randomize_(hf, seed=0)  # unit-gain weights, norms and biases away from 1 and 0 (test_architectures)
+    randomize_(hf, seed=0)  # unit-gain weights, norms and biases away from 1 and 0 (tests/moe/architectures.py)
     return hf.eval()
 
 
