@@ -81,7 +81,10 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None, plan: Pipeli
         )
     model = Transformer(mcfg, layout=layout)
     if init_from:
-        load_init_from(model, init_from, init_layers(plan, layout))
+        upcycle = cfg.model.get("upcycle", None)
+        load_init_from(
+            model, init_from, init_layers(plan, layout), upcycle is not None and upcycle.num_experts is not None
+        )
     return model
 
 

@@ -8,6 +8,10 @@ choice is needed), and ``model.hf_family`` records the family, so the run's chec
 ``model.max_seq_len``, ``model.checkpoint_activations`` and the MoEConfig training fields
 (``moe.aux_loss_coef``, ``moe.capacity_factor``, ... ``moe.hf.arch.TRAINING_MOE_FIELDS``).
 
+``model.upcycle.num_experts=E`` (``model.upcycle.top_k=k``) with a dense Llama or Qwen3 checkpoint
+upcycles it (``moe.hf.upcycle``): every block MoE, each expert a copy of the block's FFN; the run
+is then the Mixtral / Qwen3-MoE model of that config (``model.hf_family``).
+
 Refused, naming both values: an explicit override (a ``model.x=`` / ``moe.x=`` on the command
 line) whose value changes what the checkpoint's weights compute, and a byte-level run (data
 sources ``stdlib``, ``text``) whose vocabulary differs from the checkpoint's.
@@ -78,7 +82,22 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
     adapter, hf_cfg = read_config(path)
     run_moe = OmegaConf.to_container(cfg.moe, resolve=True) if "moe" in cfg else {}
     training = {k: run_moe[k] for k in TRAINING_MOE_FIELDS if k in run_moe}
-    ckpt = adapter.transformer_config(hf_cfg, max_seq_len=int(cfg.model.max_seq_len), **training)
+    upcycle = cfg.model.get("upcycle", None)
+    family = adapter.model_type
+    if upcycle is not None and upcycle.num_experts is not None:  # a dense checkpoint as an MoE model
+        from moe.hf.dense import MOE_OF
+        from moe.hf.upcycle import upcycled_config
+
+        if family not in MOE_OF:
+            raise ValueError(
+                f"model.upcycle.num_experts={upcycle.num_experts}: model.init_from={path} is a {adapter.name} "
+                f"checkpoint; upcycling starts from a dense one ({sorted(MOE_OF)})"
+            )
+        dense = adapter.transformer_config(hf_cfg, max_seq_len=int(cfg.model.max_seq_len))
+        ckpt = upcycled_config(dense, upcycle.num_experts, upcycle.top_k, **training)
+        family = MOE_OF[family]
+    else:
+        ckpt = adapter.transformer_config(hf_cfg, max_seq_len=int(cfg.model.max_seq_len), **training)
 
     vocab = int(cfg.model.vocab_size)
     if cfg.data.source in BYTE_SOURCES and vocab != ckpt.vocab_size:
@@ -90,7 +109,9 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
     run = OmegaConf.to_container(cfg.model, resolve=True)
     for key in _override_keys(explicit_overrides(cfg) if overrides is None else overrides):
         group, name = key.split(".", 1)
-        if name in (*RUN_MODEL_FIELDS, *NOT_ARCHITECTURE, *TRAINING_MOE_FIELDS, "init_from", "hf_family"):
+        if name in (*RUN_MODEL_FIELDS, *NOT_ARCHITECTURE, *TRAINING_MOE_FIELDS, "init_from", "hf_family") or (
+            name.startswith("upcycle.")
+        ):
             continue
         value = run.get(name) if group == "model" else run_moe.get(name)
         if _conflict(ckpt, key, value):
@@ -107,7 +128,7 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
     for f in dataclasses.fields(MoEConfig):
         if f.name not in TRAINING_MOE_FIELDS:
             out.moe[f.name] = getattr(ckpt.moe, f.name)
-    out.model.hf_family = adapter.model_type
+    out.model.hf_family = family
     out.model.init_from = str(Path(path))
     return out
 
@@ -119,10 +140,17 @@ def init_layers(plan, layout) -> set[int] | None:
     return {k for s in plan.stages_of(layout.pp_rank) for k in range(*plan.ranges[s])}
 
 
-def load_init_from(model, path: str, layers: set[int] | None = None) -> None:
+def load_init_from(model, path: str, layers: set[int] | None = None, upcycle: bool = False) -> None:
     """Read ``path``'s weights into ``model`` (built from ``resolve_init_from``'s config): only the
     pipeline ``layers`` this rank runs and, in each MoE layer, only its experts (safetensors reads
-    single tensors lazily; a fused file is sliced on read)."""
-    from moe.hf import import_model
+    single tensors lazily; a fused file is sliced on read). ``upcycle``: ``path`` is the dense
+    checkpoint ``model`` upcycles (``moe.hf.upcycle.load_upcycled``)."""
+    from moe.hf import import_model, read_config
+    from moe.hf.safetensors_io import SafetensorsFiles
+    from moe.hf.upcycle import load_upcycled
 
-    import_model(path, next(model.parameters()).dtype, model=model, layers=layers)
+    if upcycle:
+        adapter, hf_cfg = read_config(path)
+        load_upcycled(model, adapter, hf_cfg, SafetensorsFiles(path), layers)
+    else:
+        import_model(path, next(model.parameters()).dtype, model=model, layers=layers)

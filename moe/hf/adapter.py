@@ -172,6 +172,8 @@ class Adapter:
         if max_seq_len is not None:
             ours["max_seq_len"] = max_seq_len
         moe_fields = {o.removeprefix("moe."): ours.pop(o) for o in list(ours) if o.startswith("moe.")}
+        if ours.get("moe_every", 1) == 0:  # a dense family
+            return TransformerConfig(**ours, moe=None)
         moe = MoEConfig(d_model=ours["d_model"], **moe_fields, **moe_kw)
         ours.setdefault("d_ff", moe.d_ff)  # the dense width of a family without dense blocks
         return TransformerConfig(**ours, moe=moe)
@@ -402,9 +404,10 @@ class Adapter:
             bad = self.config_mismatches(model.cfg, hf_cfg)
             if bad:
                 raise ValueError(f"{where}: the model's config does not match the checkpoint's: " + "; ".join(bad))
-        experts = model.moe_layers()[0].experts
-        lo = experts.expert_offset
-        state = self.read(open_tensors(), model.cfg, lo, lo + experts.num_local, layers)
+        layers_moe = model.moe_layers()
+        lo = layers_moe[0].experts.expert_offset if layers_moe else 0
+        hi = lo + layers_moe[0].experts.num_local if layers_moe else 0
+        state = self.read(open_tensors(), model.cfg, lo, hi, layers)
         if model.cfg.tie_embeddings and "embed.weight" in state:
             state["lm_head.weight"] = state["embed.weight"]
         if layers is None:

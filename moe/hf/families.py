@@ -18,6 +18,7 @@ import torch
 from ..model import Transformer, TransformerConfig
 from .adapter import Adapter
 from .deepseek_v3 import DEEPSEEK_V3
+from .dense import LLAMA, QWEN3
 from .mixtral import MIXTRAL
 from .olmoe import OLMOE
 from .qwen2_moe import QWEN2_MOE
@@ -25,6 +26,8 @@ from .qwen3_moe import QWEN3_MOE
 from .safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsFiles, TensorSource
 
 FAMILIES: dict[str, Adapter] = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3)}
+# dense families, read to start an MoE run from (sparse upcycling) and written back
+DENSE_FAMILIES: dict[str, Adapter] = {a.model_type: a for a in (LLAMA, QWEN3)}
 
 # model types people try, and why they are not ours
 _WHY_NOT = {
@@ -36,10 +39,11 @@ _WHY_NOT = {
 
 def family(model_type: str | None) -> Adapter:
     """The adapter of ``model_type``; a ValueError naming it and the supported ones otherwise."""
-    if model_type not in FAMILIES:
+    known = {**FAMILIES, **DENSE_FAMILIES}
+    if model_type not in known:
         why = _WHY_NOT.get(model_type, "no adapter maps it onto moe.model.Transformer")
-        raise ValueError(f"config.model_type={model_type!r} is not supported: {why}; supported are {sorted(FAMILIES)}")
-    return FAMILIES[model_type]
+        raise ValueError(f"config.model_type={model_type!r} is not supported: {why}; supported are {sorted(known)}")
+    return known[model_type]
 
 
 def read_config(path: str | os.PathLike):
@@ -110,7 +114,7 @@ def exporter(cfg: TransformerConfig, family_name: str | None = None) -> Adapter:
         adapter.check_exportable(cfg)
         return adapter
     refusals = []
-    for adapter in FAMILIES.values():
+    for adapter in (*FAMILIES.values(), *DENSE_FAMILIES.values()):
         try:
             adapter.check_exportable(cfg)
             return adapter
