@@ -26,7 +26,7 @@ pytest.importorskip("safetensors")
 
 import moe.hf as mh  # noqa: E402
 from moe.hf.safetensors_io import SafetensorsFiles  # noqa: E402
-from tests.moe.architectures import hf_to_ours, randomize_, rel_err  # noqa: E402
+from tests.moe.architectures import randomize_, worst_error  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -167,19 +167,8 @@ def test_import_matches_transformers_logits_and_gradients(case, tmp_path):
     hf, path = _saved(case, tmp_path)
     ours = mh.import_model(path, aux_loss_coef=0.0, z_loss_coef=0.0)
     assert ours.hf_family == hf.config.model_type
-    torch.manual_seed(1)
-    idx, w_out = torch.randint(0, V, (B, L)), torch.randn(B, L, V)
-    theirs = hf(input_ids=idx).logits
-    (theirs * w_out).sum().backward()
-    mine = ours(idx)
-    (mine * w_out).sum().backward()
-    errors = {"logits": rel_err(mine, theirs)}
-    grads = hf_to_ours({n: p.grad for n, p in hf.named_parameters()}, ours.cfg)
-    for name, p in ours.named_parameters():
-        assert p.grad is not None and name in grads, name
-        errors[name] = rel_err(p.grad, grads[name])
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= IMPORT_TOL, f"{worst}: {errors[worst]:.2e}"
+    worst, err = worst_error(hf, ours, V, B, L)
+    assert err <= IMPORT_TOL, f"{worst}: {err:.2e}"
 
 
 @pytest.mark.parametrize("case", list(CASES))

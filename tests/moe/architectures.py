@@ -284,6 +284,25 @@ def hf_to_ours(hf: dict, cfg: TransformerConfig) -> dict:
     return out
 
 
+def worst_error(hf, ours, V: int, B: int, L: int) -> tuple[str, float]:
+    """``(name, rel_err)`` of the worst of the logits and every weight's gradient, ours against
+    transformers', after one backward of a random projection of the logits of a random batch."""
+    torch.manual_seed(1)
+    idx = torch.randint(0, V, (B, L))
+    w_out = torch.randn(B, L, V)
+    theirs = hf(input_ids=idx).logits
+    (theirs * w_out).sum().backward()
+    mine = ours(idx)
+    (mine * w_out).sum().backward()
+    errors = {"logits": rel_err(mine, theirs)}
+    grads = hf_to_ours({n: p.grad for n, p in hf.named_parameters()}, ours.cfg)
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and name in grads, name
+        errors[name] = rel_err(p.grad, grads[name])
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst]
+
+
 def randomize_(module, seed: int):
     """Weights of unit gain (1/sqrt(fan_in), not transformers' 0.02: scores and router logits of
     order 1, so attention and routing are far from uniform), norm gains and biases away from 1 and

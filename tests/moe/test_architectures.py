@@ -6,7 +6,6 @@ refusals."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moe import DenseFFN, MoEConfig, MoELayer
 from moe.model import Transformer
@@ -20,8 +19,7 @@ from tests.moe.architectures import (
     V,
     _cfg,
     build_pair,
-    hf_to_ours,
-    rel_err,
+    worst_error,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -30,20 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_transformers(family):
     hf, ours = build_pair(family)
-    torch.manual_seed(1)
-    idx = torch.randint(0, V, (B, L))
-    w_out = torch.randn(B, L, V)
-    theirs = hf(input_ids=idx).logits
-    (theirs * w_out).sum().backward()
-    mine = ours(idx)
-    (mine * w_out).sum().backward()
-    errors = {"logits": rel_err(mine, theirs)}
-    grads = hf_to_ours({n: p.grad for n, p in hf.named_parameters()}, ours.cfg)
-    for name, p in ours.named_parameters():
-        assert p.grad is not None and name in grads, name
-        errors[name] = rel_err(p.grad, grads[name])
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"{worst}: {errors[worst]:.2e}"
+    worst, err = worst_error(hf, ours, V, B, L)
+    assert err <= TOL, f"{worst}: {err:.2e}"
     # the placement transformers chose is ours
     hf_moe = [type(layer.mlp).__name__.endswith(("MoE", "SparseMoeBlock")) for layer in hf.model.layers]
     assert [isinstance(b.ffn, MoELayer) for b in ours.blocks] == hf_moe
