@@ -19,6 +19,7 @@ sources ``stdlib``, ``text``) whose vocabulary differs from the checkpoint's.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
                 f"({adapter.name} {adapter.their_name(key)}); the checkpoint decides the architecture; drop it"
             )
 
-    out = cfg.copy()
+    out = copy.deepcopy(cfg)
     for f in dataclasses.fields(TransformerConfig):
         if f.name != "moe" and f.name not in RUN_MODEL_FIELDS:
             out.model[f.name] = getattr(ckpt, f.name)

@@ -93,6 +93,10 @@ class Adapter:
         ``capacity_factor`` (a training-time rule: a run may start from a dropless checkpoint and
         train with a capacity); export keeps it refused, since the exported model would route
         dropless and so compute something else."""
+        dense_family = self.ours_fixed.get("moe_every") == 0
+        if (cfg.moe is None or not cfg.moe_every) != dense_family:
+            has = "has no MoE block" if dense_family else "has MoE blocks"
+            raise self._bad("model.moe_every", cfg.moe_every, f"a {self.name} model {has}")
         try:
             back = self.transformer_config(self.theirs(cfg), checked=False)
         except ValueError as e:  # their config of ours is not a valid one of ours: a fixed field of ours differs

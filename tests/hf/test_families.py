@@ -321,3 +321,24 @@ def test_export_picks_the_one_family_that_carries_the_model(tmp_path):
         ValueError, match=r"no supported family can carry this model: .*model\.qkv_bias=True cannot be a Qwen3"
     ):
         mh.export_model(model.state_dict(), tmp_path / "none", dataclasses.replace(cfg, qk_norm="head", qkv_bias=True))
+    # a dense model: every MoE family says so, by field; the dense Llama carries it
+    dense = dataclasses.replace(cfg, moe_every=0, moe=None, qk_norm="none")
+    with pytest.raises(ValueError, match=r"model\.moe_every=0 cannot be a Qwen2-MoE model: a Qwen2-MoE model has MoE"):
+        mh.export_model({}, tmp_path / "dense", dense, family="qwen2_moe")
+    assert mh.families.exporter(dense).model_type == "llama"
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe-kv2", "deepseek_v3"])
+def test_bf16_import_is_as_close_to_fp32_as_the_stock_bf16_model(case, tmp_path):
+    # bf16 weights on both sides against the fp32 stock model: ours no further from it than 1.5x the
+    # stock bf16 model's own distance (the rounding of bf16 weights and activations, ~1e-2, is the
+    # same in both; which ops round where differs, hence the margin, as tests/hf/test_patch.py's bf16 check)
+    hf, path = _saved(case, tmp_path)
+    stock16 = _from_pretrained(path).to(torch.bfloat16)
+    ours16 = mh.import_model(path, torch.bfloat16)
+    assert ours16.embed.weight.dtype == torch.bfloat16
+    idx = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(input_ids=idx).logits
+        theirs, mine = stock16(input_ids=idx).logits.float(), ours16(idx).float()
+    assert _norm_rel(mine, ref) <= 1.5 * _norm_rel(theirs, ref), (_norm_rel(mine, ref), _norm_rel(theirs, ref))
