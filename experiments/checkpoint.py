@@ -2,7 +2,7 @@
 
     python -m experiments.checkpoint consolidate <checkpoint> <out>   # -> <out>/model.safetensors (+ config)
     python -m experiments.checkpoint export-hf <checkpoint> <out> [--dtype bf16] [--max-shard-bytes N]
-                                                                      # -> a transformers Mixtral directory
+                                                                      # -> a transformers directory of its family
     python -m experiments.checkpoint verify <checkpoint>              # every file against its manifest
 
 ``<checkpoint>``: one checkpoint (``step_<N>``) or a directory of them (its newest complete one). The
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("checkpoint", help=where)
     c.add_argument("out", help="output directory")
     x = sub.add_parser(
-        "export-hf", help="a transformers Mixtral checkpoint directory (config.json + safetensors), from any layout"
+        "export-hf",
+        help="a transformers checkpoint directory of the model's family (config.json + safetensors), from any layout",
     )
     x.add_argument("checkpoint", help=where)
     x.add_argument("out", help="output directory (new or empty)")
@@ -71,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             target = consolidate(found, args.out)
             print(f"wrote {target} ({target.stat().st_size:,} bytes) from {found}")
         else:
-            target = export_hf(found, args.out, dtype=_DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_bytes)
+            target, family = export_hf(
+                found, args.out, dtype=_DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_bytes
+            )
             size = sum(p.stat().st_size for p in target.glob("*.safetensors"))
-            print(f"wrote a transformers Mixtral checkpoint to {target} ({size:,} bytes of weights) from {found}")
+            print(f"wrote a transformers {family} checkpoint to {target} ({size:,} bytes of weights) from {found}")
     except (ValueError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
-"""Benchmark: a training step of transformers MoE models, stock against ``moe.hf.patch``ed, and for
-Mixtral also our own ``moe.model.Transformer`` with the same weights, side by side in one run.
+"""Benchmark: a training step of transformers MoE models, stock against ``moe.hf.patch``ed and
+against our own ``moe.model.Transformer`` imported with the same weights (the "imported" model,
+column "ours"), side by side in one run, for every family.
 
     python -m experiments.bench.hf [--archs mixtral qwen3_moe olmoe deepseek_v3] [--reps 10] [--warmup 4]
         [--batch 8] [--seq 512] [--layers 2] [--device cpu|cuda] [--precision fp32|bf16]
@@ -10,7 +11,7 @@ transformers 5.24 ``grouped_mm``: torch's grouped matmul, which has a CPU kernel
 names it). A step is forward, the causal-LM loss (labels = inputs, shifted inside the model; ours is given the
 same shifted targets), backward and a torch AdamW step (foreach) over every parameter. Every model
 of an architecture starts from the same weights (the patched one is a deep copy of the stock model;
-ours gets the stock Mixtral's weights through ``moe.hf.mixtral``'s table) and sees the same batch;
+ours gets the stock model's weights through its family's table, ``moe.hf.import_state_dict``) and sees the same batch;
 the first step's losses are printed beside the times so that can be checked. Balancing losses are
 off in every model (transformers computes its balancing loss only when asked for router logits),
 so each computes the same thing.
@@ -138,10 +139,11 @@ def hf_model(arch: str, D: int, F: int, E: int, K: int, layers: int, seq: int, v
 
 
 def ours_for(stock):
-    """Our Transformer holding the stock Mixtral's weights (the mapping table), balancing losses off."""
-    from moe.hf.mixtral import import_mixtral_state_dict
+    """Our Transformer holding the stock model's weights (its family's mapping table,
+    ``moe.hf.import_state_dict``), balancing losses off."""
+    from moe.hf import import_state_dict
 
-    return import_mixtral_state_dict(
+    return import_state_dict(
         stock.state_dict(),
         stock.config,
         max_seq_len=stock.config.max_position_embeddings,
@@ -156,10 +158,7 @@ def models_for(arch: str, layers: int, seq: int, sizes=None, vocab: int = VOCAB,
 
     torch.manual_seed(0)
     stock = hf_model(arch, *(sizes or SIZES[arch]), layers=layers, seq=seq, vocab=vocab, heads=heads)
-    out = {"stock": stock, "patched": moe.hf.patch(copy.deepcopy(stock))}
-    if arch == "mixtral":
-        out["ours"] = ours_for(stock)
-    return out
+    return {"stock": stock, "patched": moe.hf.patch(copy.deepcopy(stock)), "ours": ours_for(stock)}
 
 
 def make_step(model, ids_BL, autocast):

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 import zero
 from experiments.training.checks import offload_mode
+from experiments.training.hf_init import init_layers, load_init_from, resolve_init_from
 from experiments.training.optim import optimizer_factory
 from experiments.training.schema import model_config
 from moe.model import Transformer
@@ -73,10 +74,15 @@ def split_model(model: Transformer, plan: PipelinePlan, layout: zero.Layout) -> 
     return model.keep_layers(ranges), [model.pipeline_stage(lo, hi) for lo, hi in ranges]
 
 
-def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transformer:
+def build_model(cfg: DictConfig, layout: zero.Layout | None = None, plan: PipelinePlan | None = None) -> Transformer:
     """The transformer of ``cfg.model`` (+ ``cfg.moe``; see ``schema.model_config``).
-    ``model.init_from``: a transformers Mixtral checkpoint directory whose weights replace the
-    initial ones (this rank's experts only), after checking that it matches model.* and moe.*."""
+    ``model.init_from``: a transformers checkpoint directory (any family ``moe.hf`` maps) whose
+    config is the model's (``hf_init.resolve_init_from``, applied here unless the trainer already
+    did) and whose weights replace the initial ones: with ``plan``, only the pipeline layers this
+    rank runs, and in each MoE layer only this rank's experts."""
+    init_from = cfg.model.get("init_from", None)
+    if init_from and not cfg.model.get("hf_family", None):
+        cfg = resolve_init_from(cfg)
     mcfg = model_config(cfg)
     if mcfg.moe is not None and mcfg.moe.router == "expert_choice":
         print(
@@ -85,11 +91,11 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None) -> Transform
             file=sys.stderr,
         )
     model = Transformer(mcfg, layout=layout)
-    init_from = cfg.model.get("init_from", None)
     if init_from:
-        from moe.hf.mixtral import import_mixtral  # needs the [hf] extra
-
-        import_mixtral(init_from, model)
+        upcycle = cfg.model.get("upcycle", None)
+        load_init_from(
+            model, init_from, init_layers(plan, layout), upcycle is not None and upcycle.num_experts is not None
+        )
     return model
 
 

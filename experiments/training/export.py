@@ -1,5 +1,6 @@
 """A training checkpoint (any layout) out of the trainer's format: one ``model.safetensors`` with
-the full weights (``consolidate``), or a transformers Mixtral directory (``export_hf``). The
+the full weights (``consolidate``), or a transformers checkpoint directory of the model's family
+(``export_hf``). The
 command line is ``python -m experiments.checkpoint``.
 """
 
@@ -12,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.training.schema import model_config
-from moe.hf.mixtral import check_exportable, export_mixtral
+from moe.hf.families import exporter
 from moe.hf.safetensors_io import DEFAULT_SHARD_BYTES, TensorSource, write_safetensors
 from zero import checkpoint as zc
 
@@ -70,15 +71,25 @@ def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
     return target
 
 
-def saved_model_config(checkpoint: str | Path):
-    """The ``TransformerConfig`` the run that saved ``checkpoint`` trained (its ``config.yaml``)."""
+def _saved_config(checkpoint: str | Path):
     path = Path(checkpoint) / "config.yaml"
     if not path.is_file():
         raise ValueError(
             f"checkpoint {checkpoint} has no config.yaml (the trainer saves the resolved config beside "
             "the shards); without it the model's architecture is unknown"
         )
-    return model_config(OmegaConf.load(path))
+    return OmegaConf.load(path)
+
+
+def saved_model_config(checkpoint: str | Path):
+    """The ``TransformerConfig`` the run that saved ``checkpoint`` trained (its ``config.yaml``)."""
+    return model_config(_saved_config(checkpoint))
+
+
+def saved_family(checkpoint: str | Path) -> str | None:
+    """The transformers ``model_type`` the run started from (``model.hf_family``; None: a run not
+    started from a transformers checkpoint)."""
+    return OmegaConf.select(_saved_config(checkpoint), "model.hf_family", default=None)
 
 
 def export_hf(
@@ -87,12 +98,14 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-) -> Path:
-    """Write the model of a training checkpoint (any layout) as a transformers Mixtral checkpoint
-    directory (``moe.hf.mixtral.export_mixtral``), with the architecture from the checkpoint's
-    ``config.yaml``. Reads one parameter at a time (the largest: one layer's ``w1``, ``w3`` or
-    ``w2`` over all experts, or the embedding). A config Mixtral cannot compute is a ValueError
-    naming the field."""
+) -> tuple[Path, str]:
+    """Write the model of a training checkpoint (any layout) as a transformers checkpoint directory
+    (``moe.hf.export_model``) of the family the run started from (``model.hf_family``; a run of its
+    own config: the one family that can carry it), with the architecture from the checkpoint's
+    ``config.yaml``. Reads one parameter at a time (the largest: one layer's ``w1``, ``w3`` or ``w2``
+    over all experts, or the embedding). A config the family cannot carry is a ValueError naming
+    the field, before any tensor is read. Returns ``(out, the family's name)``."""
     cfg = saved_model_config(checkpoint)
-    check_exportable(cfg)  # before reading any tensor
-    return export_mixtral(CheckpointTensors(checkpoint), out, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    adapter = exporter(cfg, saved_family(checkpoint))  # refuses before reading any tensor
+    target = adapter.export(CheckpointTensors(checkpoint), out, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return target, adapter.name

@@ -48,6 +48,7 @@ from experiments.training.checkpointing import TrainCheckpoints
 from experiments.training.checks import check_config
 from experiments.training.data import LMData, build_data
 from experiments.training.evaluate import lm_loss, validation
+from experiments.training.hf_init import resolve_init_from
 from experiments.training.nonfinite import StepGuard
 from experiments.training.optim import lr_at
 from experiments.training.peak_memory import PeakMemory
@@ -69,6 +70,7 @@ class Trainer:
         layout: zero.Layout | None = None,
         data: LMData | None = None,
     ):
+        cfg = resolve_init_from(cfg)  # model.init_from: the checkpoint's architecture (config.json only)
         # parallel=auto picks the layout, and the preflight checks its memory, before anything is
         # allocated or any collective runs (from the world size alone: every rank the same)
         world = layout.world if layout is not None else world_size()
@@ -97,7 +99,7 @@ class Trainer:
         self.memory = PeakMemory(device, int(cfg.train.memory_steps)).start()
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every rerun
         random.seed(cfg.seed)  # and Python's generator (checkpoints carry its state) for code that uses it
-        model = build_model(cfg, layout).to(device)
+        model = build_model(cfg, layout, plan).to(device)
         model.train()
         if self.tcfg.compile:
             model.compile_blocks()

@@ -33,7 +33,8 @@ Why the moe dataclasses serve as schema as they are (and what is derived):
   place to set every moe key. Generating it (rather than copying the fields) keeps
   ``moe.model.TransformerConfig`` the one source of names, types and defaults; the generated class
   has no ``__post_init__``, validation stays where it is. The trainer's own model keys
-  (``MODEL_TRAINER_FIELDS``: ``init_from``, the checkpoint a run starts from) are appended: they are
+  (``MODEL_TRAINER_FIELDS``: ``init_from``, the checkpoint a run starts from, and ``hf_family``,
+  its family) are appended: they are
   not architecture, so ``TransformerConfig`` does not carry them.
 - ``+key=value`` is Hydra's explicit "add a key the config does not have": it opens struct mode, so
   no schema can refuse it at compose time. ``check_keys`` (called by
@@ -81,17 +82,32 @@ def _schema_from(
         else:
             default = field(default=MISSING)  # required: a yaml or an override must set it
         spec.append((f.name, hints[f.name], default))
-    spec += [(n, t, field(default=d)) for n, t, d in extra]
+    spec += [(n, t, field(default_factory=d) if dataclasses.is_dataclass(d) else field(default=d)) for n, t, d in extra]
     schema = dataclasses.make_dataclass(name, spec)
     schema.__module__ = __name__  # pickles and prints as experiments.training.schema.<name>
     schema.__doc__ = f"{cls.__module__}.{cls.__qualname__}'s fields except {', '.join(exclude) or 'none'} (generated)."
     return schema
 
 
-# the model group's keys that are the trainer's, not the architecture's: (name, type, default)
+@dataclass
+class UpcycleConfig:
+    """Sparse upcycling (``moe.hf.upcycle``): with ``model.init_from`` a dense Llama or Qwen3
+    checkpoint, every block becomes an MoE block of ``num_experts`` copies of its FFN."""
+
+    num_experts: int | None = None  # null: no upcycling
+    top_k: int = 2
+
+
+# the model group's keys that are the trainer's, not the architecture's: (name, type, default; a
+# dataclass type: its instance)
 MODEL_TRAINER_FIELDS = (
-    # a transformers Mixtral checkpoint directory whose weights the run starts from (moe.hf.mixtral)
+    # a transformers checkpoint directory (any family moe.hf maps) whose config and weights the run
+    # starts from (experiments.training.hf_init)
     ("init_from", str | None, None),
+    # the model_type of that checkpoint (set from it, not by hand): what export-hf writes back
+    ("hf_family", str | None, None),
+    # start from a dense init_from as an MoE model of this many copies of each FFN
+    ("upcycle", UpcycleConfig, UpcycleConfig),
 )
 # the model group: TransformerConfig without its `moe` field (the moe group is separate), plus
 # the trainer's own keys, which model_config takes out before building

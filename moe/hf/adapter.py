@@ -1,19 +1,25 @@
 """A transformers model family as a checkpoint of our ``Transformer``, and back: the machinery that
-every model-family adapter (``moe.hf.mixtral``, the first) reads its tables with.
+every model-family adapter (``moe.hf.mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
+``deepseek_v3``) reads its tables with.
 
-An adapter is data: ``Adapter(table=..., config_fields=..., fixed=..., routing=...)``. Each table is
+An adapter is data: ``Adapter(table=..., fields=..., ours_fixed=..., fixed=...)``. Each table is
 read in both directions, so that export and import cannot disagree:
 
 - ``table``: ``Row``s, our state-dict names against the transformers module's and the checkpoint
-  file's, with the layout change each way (``to_module``/``to_ours``);
-- ``config_fields``: our config fields that are one of theirs, the same value on both sides;
+  file's, with the layout change each way (``to_module``/``to_ours``) and the blocks it is in
+  (``when``);
+- ``fields``: our config fields that are one of theirs (``Field``), each with its conversion both ways;
+- ``ours_fixed``: our config fields with one value in the family (``qk_norm="head"``,
+  ``moe.score_func="sigmoid"``), set on import and required on export;
 - ``fixed``: their config fields with one valid value for our model (``Fixed``): what export
-  writes, what import accepts;
-- ``routing``: the ``MoEConfig`` routing fields their block computes, set on import and required
-  on export.
+  writes, what import accepts.
 
-transformers is imported only by the functions that build or read a config; safetensors only when
-a file is read (``moe.hf.safetensors_io``).
+Export checks a config by the round trip: our config -> theirs (``fields``) -> ours again
+(``fields`` + ``ours_fixed``); every architecture field (``moe.hf.arch.architecture``) that comes
+back different is one the family cannot carry, and is refused by name and value.
+
+transformers is imported only by the functions that build or read a config object; safetensors
+only when a file is read (``moe.hf.safetensors_io``).
 
 Shapes follow the project's legend (docs/design.md): V vocabulary, D model dim, F expert hidden
 dim, E experts of the model, X experts held by this process.
@@ -30,6 +36,7 @@ import torch
 
 from ..config import MoEConfig
 from ..model import Transformer, TransformerConfig
+from .arch import TRAINING_MOE_FIELDS, architecture, describe, layer_blocks, placement_why
 from .safetensors_io import (
     DEFAULT_SHARD_BYTES,
     SafetensorsFiles,
@@ -38,124 +45,86 @@ from .safetensors_io import (
     plan_shards,
     write_sharded,
 )
-
-# ---------------------------------------------------------------------------------------------
-# the expert layouts (also used by moe.hf.patch, which copies transformers' fused experts through them)
-
-
-def fused_to_ours(gate_up: torch.Tensor, down_XDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformers 5's fused experts -> ``(w1, w3, w2)`` in our layout, as views (no copy).
-
-    ``gate_up [X, 2F, D]`` holds the gate rows then the up rows of each expert; ``down [X, D, F]``.
-    Ours: ``w1, w3 [X, D, F]``, ``w2 [X, F, D]``."""
-    F = down_XDF.shape[2]
-    return gate_up[:, :F].transpose(1, 2), gate_up[:, F:].transpose(1, 2), down_XDF.transpose(1, 2)
-
-
-def ours_to_fused(
-    w1_XDF: torch.Tensor, w3_XDF: torch.Tensor, w2_XFD: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w1, w3, w2)`` -> transformers 5's ``(gate_up [X, 2F, D], down [X, D, F])`` (contiguous copies)."""
-    return torch.cat([w1_XDF.transpose(1, 2), w3_XDF.transpose(1, 2)], dim=1), w2_XFD.transpose(1, 2).contiguous()
-
-
-# ---------------------------------------------------------------------------------------------
-# the tables
-
-
-def same(*ts):
-    return ts
-
-
-@dataclass(frozen=True)
-class Row:
-    """Our tensors ``ours`` are the family's ``module`` tensors (the transformers 5 module layout) by
-    ``to_module``/``to_ours``. ``file`` names the same tensors in a checkpoint file: the module
-    names, except for the experts (``experts=True``: dimension 0 runs over experts), which a file
-    stores one tensor per expert: ``file[j]`` of expert e is ``ours[j][e]`` transposed. ``{i}`` in a
-    name is the block, ``{e}`` the expert."""
-
-    ours: tuple[str, ...]
-    module: tuple[str, ...]
-    file: tuple[str, ...]
-    to_module: Callable = same
-    to_ours: Callable = same
-    experts: bool = False
-
-
-def row(ours, module, file=None, **kw) -> Row:
-    """A ``Row``; ``file`` defaults to the module names."""
-    return Row(tuple(ours), tuple(module), tuple(file if file is not None else module), **kw)
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """A field of their config with one valid value for our model. ``export(cfg)``: the value export
-    writes (None: the field is not written, the config class's default stands). ``accepts(value,
-    hf_cfg)``: whether import takes the config's value (None: any; an absent field reads as None).
-    ``why`` (or ``why(hf_cfg)``) says why nothing else is valid; ``shown(value)`` names a refused
-    value."""
-
-    field: str
-    export: Callable[[TransformerConfig], object] | None
-    accepts: Callable[[object, object], bool] | None
-    why: str | Callable[[object], str] = ""
-    shown: Callable[[object], object] = lambda value: value
-
-
-def names(templates: tuple[str, ...], i: int, e: int | None = None) -> list[str]:
-    return [t.format(i=i, e=e) for t in templates]
-
-
-def _get(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
-    return obj
-
+from .tables import OMIT, Field, Fixed, Row, get_field, names, put_field
 
 # in old checkpoints: non-persistent buffers, recomputed from the config on both sides
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-# fields that do not change what the weights compute: not compared when a run starts from a checkpoint
-NOT_ARCHITECTURE = ("max_seq_len", "init_std")
 
 
 @dataclass(frozen=True)
 class Adapter:
     """One model family (``name``, as messages say it; ``model_type``, as its configs do): its
     tables (module docstring), the transformers config class that export writes
-    (``config_class``, ``architectures``), and ``zero_in_theirs``: our tensors the family has no
-    place for, exported only when zero, imported as zeros. Its methods are the conversions; the
-    family's module binds them to its own names (``export_mixtral``, ...)."""
+    (``config_class``, ``architectures``), ``zero_in_theirs``: our tensors the family has no place
+    for, exported only when zero, imported as zeros, and ``check_files(hf_cfg, keys)``: a check of
+    the checkpoint's tensor names (metadata only) before any is read."""
 
     name: str
     model_type: str
     table: tuple[Row, ...]
-    config_fields: tuple[tuple[str, str], ...]
+    fields: tuple[Field, ...]
+    ours_fixed: dict[str, object]
     fixed: tuple[Fixed, ...]
-    routing: dict[str, object]
     config_class: str
     architectures: tuple[str, ...]
     zero_in_theirs: tuple[str, ...] = ()
+    check_files: Callable | None = None
 
     # --- configs ---------------------------------------------------------------------------
 
     def _bad(self, field: str, value, why: str) -> ValueError:
         return ValueError(f"{field}={value!r} cannot be a {self.name} model: {why}")
 
+    def theirs(self, cfg: TransformerConfig) -> dict:
+        """Their config fields for a model of ``cfg``, as a dict (no check)."""
+        out: dict = {}
+        for f in self.fields:
+            value = f.to_theirs(get_field(cfg, f.ours), cfg)
+            if value is not OMIT:
+                put_field(out, f.theirs, value)
+        for f in self.fixed:
+            if f.export is not None:
+                put_field(out, f.field, f.export(cfg))
+        return out
+
     def check_exportable(self, cfg: TransformerConfig, *, dropless: bool = True) -> None:
         """Raise ValueError naming the first field of ``cfg`` that a model of this family cannot
-        compute. ``dropless=False`` accepts a ``capacity_factor`` (a training-time rule: a run may
-        start from a dropless checkpoint and train with a capacity); export keeps it refused, since
-        the exported model would route dropless and so compute something else."""
-        if cfg.moe is None or cfg.moe_every != 1:
-            raise self._bad(
-                "model.moe_every", cfg.moe_every, f"every {self.name} layer is an MoE block; use moe_every=1"
-            )
-        for field, want in self.routing.items():
-            got = getattr(cfg.moe, field)
-            if got != want:
-                raise self._bad(f"moe.{field}", got, f"{self.name}'s router and experts are {field}={want!r}")
-        if dropless and cfg.moe.capacity_factor is not None:
+        carry (by the round trip through their config). ``dropless=False`` accepts a
+        ``capacity_factor`` (a training-time rule: a run may start from a dropless checkpoint and
+        train with a capacity); export keeps it refused, since the exported model would route
+        dropless and so compute something else."""
+        dense_family = self.ours_fixed.get("moe_every") == 0
+        if (cfg.moe is None or not cfg.moe_every) != dense_family:
+            has = "has no MoE block" if dense_family else "has MoE blocks"
+            raise self._bad("model.moe_every", cfg.moe_every, f"a {self.name} model {has}")
+        try:
+            back = self.transformer_config(self.theirs(cfg), checked=False)
+        except ValueError as e:  # their config of ours is not a valid one of ours: a fixed field of ours differs
+            for field, want in self.ours_fixed.items():
+                if get_field(cfg, field) != want:
+                    name = field if field.startswith("moe.") else f"model.{field}"
+                    raise self._bad(name, get_field(cfg, field), f"a {self.name} model has {name}={want!r}") from None
+            raise ValueError(f"{self.name} cannot carry this model: {e}") from None
+        mine, theirs = architecture(cfg), architecture(back)
+        for key, value in mine.items():
+            if theirs.get(key, "absent") != value:
+                field, shown = describe(cfg, key)
+                _, want = describe(back, key)
+                why = (
+                    placement_why(cfg, back, self.name)
+                    if key == "placement"
+                    else f"a {self.name} model has {field}={want!r}"
+                )
+                raise self._bad(field, shown, why)
+        exported = self.theirs(cfg)
+        for f in self.fixed:  # their fields with one valid value, as our config would write them
+            value = get_field(exported, f.field)
+            if f.accepts is not None and not f.accepts(value, exported):
+                ours = next((g.ours for g in self.fields if g.theirs == f.field), None)
+                field = f"config.{f.field}" if ours is None else (ours if ours.startswith("moe.") else f"model.{ours}")
+                shown = value if ours is None else get_field(cfg, ours)
+                raise self._bad(field, shown, f.why(exported) if callable(f.why) else f.why)
+        if dropless and cfg.moe is not None and cfg.moe.capacity_factor is not None:
             raise self._bad(
                 "moe.capacity_factor",
                 cfg.moe.capacity_factor,
@@ -167,10 +136,8 @@ class Adapter:
         import transformers
 
         self.check_exportable(cfg)
-        kw = {theirs: _get(cfg, ours) for ours, theirs in self.config_fields if "." not in theirs}
-        kw.update({f.field: f.export(cfg) for f in self.fixed if f.export is not None})
         return getattr(transformers, self.config_class)(
-            **kw, architectures=list(self.architectures), dtype=str(dtype).removeprefix("torch.")
+            **self.theirs(cfg), architectures=list(self.architectures), dtype=str(dtype).removeprefix("torch.")
         )
 
     def check_hf_config(self, hf_cfg) -> None:
@@ -179,52 +146,68 @@ class Adapter:
         def refuse(field, value, why):
             raise ValueError(f"{self.name} config.{field}={value!r} is not supported: {why}")
 
-        model_type = getattr(hf_cfg, "model_type", None)
+        model_type = get_field(hf_cfg, "model_type")
         if model_type != self.model_type:
-            refuse("model_type", model_type, f"only {self.model_type!r} checkpoints map onto moe.model.Transformer")
+            refuse("model_type", model_type, f"only {self.model_type!r} checkpoints map onto the {self.name} adapter")
         for f in self.fixed:
-            value = getattr(hf_cfg, f.field, None)
+            value = get_field(hf_cfg, f.field)
             if f.accepts is not None and not f.accepts(value, hf_cfg):
                 refuse(f.field, f.shown(value), f.why(hf_cfg) if callable(f.why) else f.why)
 
-    def transformer_config(self, hf_cfg, *, max_seq_len: int | None = None, **moe_kw) -> TransformerConfig:
-        """Our ``TransformerConfig`` for their config (refusing what our model cannot compute).
-        ``max_seq_len``: default theirs (rotary tables are that long). ``moe_kw``: training-time
-        MoEConfig fields (aux_loss_coef, z_loss_coef, capacity_factor, ...)."""
-        self.check_hf_config(hf_cfg)
-        decided = set(self.routing) | {"d_model"} | {o.removeprefix("moe.") for o, _ in self.config_fields}
-        fixed = sorted(set(moe_kw) & decided)
-        if fixed:
+    def transformer_config(
+        self, hf_cfg, *, max_seq_len: int | None = None, checked: bool = True, **moe_kw
+    ) -> TransformerConfig:
+        """Our ``TransformerConfig`` for their config (an object or a dict; refusing what our model
+        cannot compute). ``max_seq_len``: default theirs (rotary tables are that long). ``moe_kw``:
+        training-time MoEConfig fields (aux_loss_coef, z_loss_coef, capacity_factor, ...)."""
+        if checked:
+            self.check_hf_config(hf_cfg)
+        decided = sorted(set(moe_kw) - set(TRAINING_MOE_FIELDS))
+        if decided:
             raise ValueError(
-                f"moe.{fixed[0]}={moe_kw[fixed[0]]!r}: the checkpoint's config decides {fixed}; "
-                "only training-time MoEConfig fields can be passed"
+                f"moe.{decided[0]}={moe_kw[decided[0]]!r}: the checkpoint's config decides {decided}; only "
+                f"training-time MoEConfig fields ({', '.join(TRAINING_MOE_FIELDS)}) can be passed"
             )
-        ours = {o: _get(hf_cfg, t) for o, t in self.config_fields}
+        ours = dict(self.ours_fixed)
+        for f in self.fields:
+            value = f.to_ours(get_field(hf_cfg, f.theirs), hf_cfg)
+            if value is not None:
+                ours[f.ours] = value
         if max_seq_len is not None:
             ours["max_seq_len"] = max_seq_len
         moe_fields = {o.removeprefix("moe."): ours.pop(o) for o in list(ours) if o.startswith("moe.")}
-        moe = MoEConfig(d_model=ours["d_model"], **moe_fields, **self.routing, **moe_kw)
-        # the dense d_ff is unused when every block is MoE; the experts' width is the natural value
-        return TransformerConfig(**ours, d_ff=moe.d_ff, moe_every=1, moe=moe)
+        if ours.get("moe_every", 1) == 0:  # a dense family
+            return TransformerConfig(**ours, moe=None)
+        moe = MoEConfig(d_model=ours["d_model"], **moe_fields, **moe_kw)
+        ours.setdefault("d_ff", moe.d_ff)  # the dense width of a family without dense blocks
+        return TransformerConfig(**ours, moe=moe)
 
     def config_mismatches(self, cfg: TransformerConfig, hf_cfg) -> list[str]:
         """``model.x=ours (checkpoint: their_field=theirs)`` for each architecture field of ``cfg``
         that differs from their config's (empty when the checkpoint's weights fit ``cfg``); also the
         fields of ``cfg`` no model of the family has. Training-time fields (aux losses, capacity,
-        init, sequence length) are free."""
+        init, sequence length, activation checkpointing) are free."""
         try:
             self.check_exportable(cfg, dropless=False)
         except ValueError as e:
             return [str(e)]
         want = self.transformer_config(hf_cfg)
+        mine, theirs = architecture(cfg), architecture(want)
         out = []
-        for ours, theirs in self.config_fields:
-            if ours in NOT_ARCHITECTURE:
-                continue
-            a, b = _get(cfg, ours), _get(want, ours)
-            if a != b:
-                out.append(f"{ours if ours.startswith('moe.') else 'model.' + ours}={a!r} (checkpoint: {theirs}={b!r})")
+        for key in mine:
+            if mine[key] != theirs.get(key):
+                field, a = describe(cfg, key)
+                _, b = describe(want, key)
+                out.append(f"{field}={a!r} (checkpoint: {self.their_name(field)}={b!r})")
         return out
+
+    def their_name(self, field: str) -> str:
+        """Their config field for our ``model.x`` / ``moe.x`` (or the family's name for a fixed one)."""
+        ours = field.removeprefix("model.").split(",")[0]
+        for f in self.fields:
+            if f.ours == ours:
+                return f.theirs
+        return f"{self.name}'s {field}"
 
     def read_hf_config(self, path: str | os.PathLike):
         """The transformers config of a checkpoint directory (only ``config.json`` is read)."""
@@ -240,18 +223,20 @@ class Adapter:
 
     # --- state dicts ---------------------------------------------------------------------------
 
-    def _theirs(self, ours: str) -> str:
+    def _theirs_of(self, ours: str) -> str:
         return next(r.module[0] for r in self.table if r.ours == (ours,))
 
-    def rows(self, cfg: TransformerConfig) -> Iterator[tuple[Row, int]]:
-        """Every (row, block) of a model of ``cfg`` (block -1 for the rows outside the blocks)."""
+    def rows(self, cfg: TransformerConfig, layers: set[int] | None = None) -> Iterator[tuple[Row, int]]:
+        """Every (row, block) of a model of ``cfg`` (block -1 for the rows outside the blocks);
+        ``layers``: only those pipeline layers (0 the embedding, i + 1 block i, n_layers + 1 the
+        head)."""
+        keep = layer_blocks(cfg, layers)
         for r in self.table:
             if r.ours[0] == "lm_head.weight" and cfg.tie_embeddings:
                 continue
             if "{i}" in r.ours[0]:
-                for i in range(cfg.n_layers):
-                    yield r, i
-            else:
+                yield from ((r, i) for i in range(cfg.n_layers) if i in keep and r.when(cfg, i))
+            elif (-2 if r.ours[0] in ("norm.weight", "lm_head.weight") else -1) in keep:
                 yield r, -1
 
     def check_state(self, src: TensorSource, cfg: TransformerConfig) -> None:
@@ -277,9 +262,11 @@ class Adapter:
                     "rank's experts (a consolidated checkpoint) before exporting"
                 )
                 raise ValueError(f"{name} has shape {got}, the config's model {want}" + (hint if experts else ""))
-        for name in (n for i in range(cfg.n_layers) for n in names(self.zero_in_theirs, i)):
-            if torch.count_nonzero(src.get(name)):
-                raise self._bad(name, "non-zero", f"{self.name}'s router has no selection bias")
+        for i in range(cfg.n_layers):
+            if cfg.is_moe_block(i):
+                for name in names(self.zero_in_theirs, i):
+                    if torch.count_nonzero(src.get(name)):
+                        raise self._bad(name, "non-zero", f"{self.name}'s router has no selection bias")
 
     def to_module_state_dict(self, state: dict[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
         """Our state dict -> their module's ``state_dict()`` names and layouts (transformers 5,
@@ -288,10 +275,10 @@ class Adapter:
         self.check_state(TensorSource(state), cfg)
         out = {}
         for r, i in self.rows(cfg):
-            tensors = r.to_module(*(state[n] for n in names(r.ours, i)))
+            tensors = r.to_module(cfg, *(state[n] for n in names(r.ours, i)))
             out.update(zip(names(r.module, i), (t.contiguous() for t in tensors)))
         if cfg.tie_embeddings:
-            out[self._theirs("lm_head.weight")] = out[self._theirs("embed.weight")]
+            out[self._theirs_of("lm_head.weight")] = out[self._theirs_of("embed.weight")]
         return out
 
     def file_tensors(
@@ -306,7 +293,7 @@ class Adapter:
         of a file does not matter to its readers."""
         for r, i in self.rows(cfg):
             if not r.experts:
-                outs = r.to_module(*(get(n) for n in names(r.ours, i)))
+                outs = r.to_module(cfg, *(get(n) for n in names(r.ours, i)))
                 yield from zip(names(r.file, i), outs)
                 del outs
                 continue
@@ -316,34 +303,49 @@ class Adapter:
                     yield names(r.file, i, e)[j], t[e].t()
                 del t
 
-    def read(self, files: TensorSource, cfg: TransformerConfig, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        """Our state dict (experts ``[lo, hi)``) from a checkpoint of ``cfg``, in either file layout
-        (the Hub's, one tensor per expert, or a raw transformers 5 ``state_dict()``, fused); refuses
-        a checkpoint that holds tensors the table does not know (biases, a second model...), naming
-        them."""
-        fused = any(r.experts and names(r.module, 0)[0] in files for r in self.table)
-        state, used = {}, set()
-        for r, i in self.rows(cfg):
+    def read(
+        self, files: TensorSource, cfg: TransformerConfig, lo: int, hi: int, layers: set[int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Our state dict (experts ``[lo, hi)``; only ``layers``, pipeline layers, when given) from a
+        checkpoint of ``cfg``, in either file layout (the Hub's, one tensor per expert, or a raw
+        transformers 5 ``state_dict()``, fused); refuses a checkpoint that holds tensors the table
+        does not know (biases, a second model...), naming them, before any tensor is read."""
+        keys = set(files.keys())
+        every = list(self.rows(cfg))
+        moe_rows = [(r, i) for r, i in every if r.experts]
+        fused = any(names(r.module, i)[0] in keys for r, i in moe_rows)
+        used = set()
+        for r, i in every:
+            if not r.experts or fused:
+                used.update(names(r.module if fused else r.file, i))
+            else:
+                used.update(n for e in range(cfg.moe.num_experts) for n in names(r.file, i, e))
+        if cfg.tie_embeddings:
+            used.add(
+                self._theirs_of("lm_head.weight")
+            )  # transformers ties it to the embedding, whatever the file holds
+        if self.check_files is not None:
+            self.check_files(cfg, keys - used)
+        unknown = sorted(n for n in keys if n not in used and not n.endswith(IGNORED_SUFFIXES))
+        if unknown:
+            raise ValueError(
+                f"the checkpoint holds tensors a {self.name} model of its config does not have, e.g. {unknown[:6]} "
+                f"({len(unknown)} in all)"
+            )
+        state = {}
+        for r, i in self.rows(cfg, layers):
             ours = names(r.ours, i)
             if not r.experts or fused:
                 theirs = names(r.module if fused else r.file, i)
                 sliced = (lo, hi) if r.experts else ()
-                state.update(zip(ours, r.to_ours(*(files.get(n, *sliced) for n in theirs))))
-                used.update(theirs)
+                state.update(zip(ours, r.to_ours(cfg, *(files.get(n, *sliced) for n in theirs))))
             else:
                 for j, name in enumerate(ours):
                     state[name] = torch.stack([files.get(names(r.file, i, e)[j]).t() for e in range(lo, hi)])
-                used.update(n for e in range(cfg.moe.num_experts) for n in names(r.file, i, e))
+        keep = layer_blocks(cfg, layers)
         for i in range(cfg.n_layers):
-            state.update({n: torch.zeros(cfg.moe.num_experts) for n in names(self.zero_in_theirs, i)})
-        if cfg.tie_embeddings:
-            used.add(self._theirs("lm_head.weight"))  # transformers ties it to the embedding, whatever the file holds
-        unknown = sorted(n for n in files.keys() if n not in used and not n.endswith(IGNORED_SUFFIXES))
-        if unknown:
-            raise ValueError(
-                f"the checkpoint holds tensors a {self.name} model of its config does not have, e.g. {unknown[:6]} "
-                f"({len(unknown)} in all); our model has no biases or extra modules"
-            )
+            if cfg.is_moe_block(i) and i in keep:
+                state.update({n: torch.zeros(cfg.moe.num_experts) for n in names(self.zero_in_theirs, i)})
         return state
 
     # --- export and import ---------------------------------------------------------------------
@@ -357,7 +359,7 @@ class Adapter:
         dtype: torch.dtype | None = None,
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     ) -> Path:
-        """Write ``src`` as a transformers checkpoint directory of this family (``export_mixtral``
+        """Write ``src`` as a transformers checkpoint directory of this family (``moe.hf.export_model``
         documents the arguments)."""
         if isinstance(src, Transformer):
             cfg = src.cfg if cfg is None else cfg
@@ -367,9 +369,7 @@ class Adapter:
         elif not isinstance(src, TensorSource):
             src = TensorSource(dict(src))
         if cfg is None:
-            raise ValueError(
-                f"export_{self.model_type} needs cfg (the model's TransformerConfig) unless src is a Transformer"
-            )
+            raise ValueError("export needs cfg (the model's TransformerConfig) unless src is a Transformer")
         self.check_exportable(cfg)
         self.check_state(src, cfg)
         dtype = src.meta("embed.weight").dtype if dtype is None else dtype
@@ -391,10 +391,12 @@ class Adapter:
         layout=None,
         ep_group=None,
         dp_group=None,
+        layers: set[int] | None = None,
         **moe_kw,
     ) -> Transformer:
         """``model`` (or a new ``Transformer`` of ``hf_cfg``) holding the tensors ``open_tensors()``
-        opens, once the configs are checked (``import_mixtral`` documents the arguments)."""
+        opens, once the configs are checked (``moe.hf.import_model`` documents the arguments).
+        ``layers``: read only those pipeline layers (the others keep their initial weights)."""
         if model is None:
             model = Transformer(
                 self.transformer_config(hf_cfg, max_seq_len=max_seq_len, **moe_kw),
@@ -406,10 +408,20 @@ class Adapter:
             bad = self.config_mismatches(model.cfg, hf_cfg)
             if bad:
                 raise ValueError(f"{where}: the model's config does not match the checkpoint's: " + "; ".join(bad))
-        experts = model.moe_layers()[0].experts
-        lo = experts.expert_offset
-        state = self.read(open_tensors(), model.cfg, lo, lo + experts.num_local)
-        if model.cfg.tie_embeddings:
+        layers_moe = model.moe_layers()
+        lo = layers_moe[0].experts.expert_offset if layers_moe else 0
+        hi = lo + layers_moe[0].experts.num_local if layers_moe else 0
+        state = self.read(open_tensors(), model.cfg, lo, hi, layers)
+        if model.cfg.tie_embeddings and "embed.weight" in state:
             state["lm_head.weight"] = state["embed.weight"]
-        model.load_state_dict(state, strict=True)
+        if layers is None:
+            model.load_state_dict(state, strict=True)
+        else:
+            own = model.state_dict()
+            unknown = sorted(set(state) - set(own))
+            if unknown:
+                raise AssertionError(f"the table read tensors the model does not have: {unknown[:6]}")
+            for name, t in state.items():
+                own[name].copy_(t)
+        model.hf_family = self.model_type
         return model

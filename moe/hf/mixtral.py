@@ -14,9 +14,9 @@ writes), where it differs from the module's:
 
 - ``embed.weight [V, D]``: ``model.embed_tokens.weight``
 - ``blocks.{i}.attn_norm.weight [D]``: ``model.layers.{i}.input_layernorm.weight``
-- ``blocks.{i}.attn.qkv.weight [3D, D]``: ``...self_attn.{q,k,v}_proj.weight [D, D]`` (rows 0:D,
-  D:2D, 2D:3D)
-- ``blocks.{i}.attn.proj.weight [D, D]``: ``...self_attn.o_proj.weight``
+- ``blocks.{i}.attn.qkv.weight [(H + 2Z) J, D]``: ``...self_attn.{q,k,v}_proj.weight`` (rows
+  ``[q (H J) | k (Z J) | v (Z J)]``, Z the key/value heads)
+- ``blocks.{i}.attn.proj.weight [D, H J]``: ``...self_attn.o_proj.weight``
 - ``blocks.{i}.ffn_norm.weight [D]``: ``...post_attention_layernorm.weight``
 - ``blocks.{i}.ffn.router.weight [E, D]``: ``...mlp.gate.weight``; file
   ``...block_sparse_moe.gate.weight``
@@ -31,7 +31,8 @@ writes), where it differs from the module's:
 Nothing else needs converting: both models are pre-norm with RMSNorm (normalised in fp32, then
 times the gain), rotary positions rotate the same half-split pairs (``x[j]`` with ``x[j + J/2]``,
 transformers' ``rotate_half``) with the same frequencies ``theta^(-2j/J)``, so q and k rows need no
-permutation; attention is causal at scale ``J^-1/2`` with no biases; the router is softmax over all
+permutation; attention is causal at scale ``J^-1/2`` with no biases (grouped-query: query head h reads
+key/value head h // (H / Z), as transformers' ``repeat_kv``); the router is softmax over all
 E, top-k, renormalised; each expert is ``w2(silu(w1 x) * w3 x)``. ``router.expert_bias`` (our
 selection bias, zero unless ``expert_bias``) has no Mixtral counterpart: exported only when zero,
 imported as zeros (``ZERO_IN_MIXTRAL``).
@@ -41,13 +42,13 @@ transformers 5 writes and converts to its fused module layout on load, and what 
 Mixtral reader expects. Import also reads a file in the fused module layout (a raw ``state_dict()``
 of a transformers 5 model).
 
-Configs: ``CONFIG_FIELDS``, our ``TransformerConfig``/``MoEConfig`` fields that are Mixtral's;
-``FIXED_FIELDS``, Mixtral's fields with one valid value for our model (as many key/value heads as
-heads, a SwiGLU with silu, no sliding window, default rotary positions, no router jitter, no
-attention dropout, no biases, no quantization), each with what export writes and what import
-accepts; ``MIXTRAL_ROUTING``, the router Mixtral's block computes, exactly. A Mixtral config always
-has one MoE block per layer (``moe_every=1``). Anything else is refused with a ValueError naming
-the field, its value and what is valid.
+Configs: ``FIELDS``, our ``TransformerConfig``/``MoEConfig`` fields that are Mixtral's (sizes,
+key/value heads, head dim, rotary positions and their scaling); ``OURS_FIXED``, our fields with one
+value in a Mixtral model (every block MoE, multi-head attention without q/k norms or biases,
+Mixtral's router); ``FIXED_FIELDS``, Mixtral's fields with one valid value for our model (a SwiGLU
+with silu, no sliding window, no router jitter, no attention dropout, no biases, no quantization),
+each with what export writes and what import accepts. Anything else is refused with a ValueError
+naming the field, its value and what is valid (``moe.hf.adapter``).
 """
 
 from __future__ import annotations
@@ -58,147 +59,82 @@ from pathlib import Path
 import torch
 
 from ..model import Transformer, TransformerConfig
-from .adapter import Adapter, Fixed, Row, fused_to_ours, ours_to_fused, row
+from .adapter import Adapter
+from .common import (
+    ALL_MOE,
+    ATTN_NORM,
+    COMMON_FIXED,
+    EMBED,
+    FFN_NORM,
+    HEAD,
+    HEAD_DIM,
+    KV_HEADS,
+    MHA,
+    MHA_ROUTED,
+    NO_BIAS,
+    NO_JITTER,
+    NO_MLP_BIAS,
+    NO_SHARED,
+    ROPE,
+    SIZES,
+    SOFTMAX_ROUTING,
+    moe_rows,
+)
 from .safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsFiles, TensorSource
+from .tables import Field, Fixed
 
 # ---------------------------------------------------------------------------------------------
 # the tables
 
-
-def _split_qkv(qkv):
-    return tuple(qkv.chunk(3, dim=0))  # our rows are q, k, v (each h-major, "(three h j)")
-
-
-def _cat_qkv(q, k, v):
-    return (torch.cat([q, k, v], dim=0),)
-
-
-_L, _M = "model.layers.{i}.", "model.layers.{i}.block_sparse_moe."
-
-TABLE: tuple[Row, ...] = (
-    row(["embed.weight"], ["model.embed_tokens.weight"]),
-    row(["blocks.{i}.attn_norm.weight"], [_L + "input_layernorm.weight"]),
-    row(
-        ["blocks.{i}.attn.qkv.weight"],
-        [_L + f"self_attn.{p}_proj.weight" for p in "qkv"],
-        to_module=_split_qkv,
-        to_ours=_cat_qkv,
-    ),
-    row(["blocks.{i}.attn.proj.weight"], [_L + "self_attn.o_proj.weight"]),
-    row(["blocks.{i}.ffn_norm.weight"], [_L + "post_attention_layernorm.weight"]),
-    row(["blocks.{i}.ffn.router.weight"], [_L + "mlp.gate.weight"], [_M + "gate.weight"]),
-    row(
-        [f"blocks.{{i}}.ffn.experts.{w}" for w in ("w1", "w3", "w2")],
-        [_L + "mlp.experts.gate_up_proj", _L + "mlp.experts.down_proj"],
-        [_M + f"experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")],
-        to_module=ours_to_fused,
-        to_ours=fused_to_ours,
-        experts=True,
-    ),
-    row(["norm.weight"], ["model.norm.weight"]),
-    row(["lm_head.weight"], ["lm_head.weight"]),
+TABLE = (
+    *EMBED,
+    *ATTN_NORM,
+    *MHA,
+    *FFN_NORM,
+    *moe_rows("model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")),
+    *HEAD,
 )
 # ours only: the aux-loss-free selection bias, zero unless MoEConfig.expert_bias (which Mixtral lacks)
 ZERO_IN_MIXTRAL = ("blocks.{i}.ffn.router.expert_bias",)
 
-# (our field, Mixtral field): the same value on both sides. "moe." fields are MoEConfig's.
-CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
-    ("vocab_size", "vocab_size"),
-    ("d_model", "hidden_size"),
-    ("n_layers", "num_hidden_layers"),
-    ("n_heads", "num_attention_heads"),
-    ("moe.d_ff", "intermediate_size"),
-    ("moe.num_experts", "num_local_experts"),
-    ("moe.top_k", "num_experts_per_tok"),
-    ("tie_embeddings", "tie_word_embeddings"),
-    ("rope_theta", "rope_parameters.rope_theta"),
-    ("norm_eps", "rms_norm_eps"),
-    ("max_seq_len", "max_position_embeddings"),
-    ("init_std", "initializer_range"),
+FIELDS = (
+    *SIZES,
+    KV_HEADS,
+    HEAD_DIM,
+    Field("moe.d_ff", "intermediate_size"),
+    Field("moe.num_experts", "num_local_experts"),
+    *ROPE,
 )
-
-
-def _no_noise(value, _) -> bool:
-    return (value or 0.0) == 0
-
-
-def _head_dim_fits(value, c) -> bool:
-    D, H = c.hidden_size, c.num_attention_heads
-    return value in (None, D // H) and D % H == 0
-
-
-# Mixtral's fields with one valid value for our model: what export writes, what import accepts (in
-# the order import checks them)
-FIXED_FIELDS: tuple[Fixed, ...] = (
-    Fixed(
-        "num_key_value_heads",
-        lambda cfg: cfg.n_heads,
-        lambda value, c: value in (None, c.num_attention_heads),
-        lambda c: f"our attention has one key/value head per head (num_attention_heads={c.num_attention_heads})",
-    ),
-    Fixed(
-        "head_dim",
-        lambda cfg: cfg.d_model // cfg.n_heads,
-        _head_dim_fits,
-        lambda c: f"our head dim is hidden_size / num_attention_heads = {c.hidden_size}/{c.num_attention_heads}",
-    ),
-    Fixed(
-        "hidden_act",
-        lambda cfg: "silu",
-        lambda value, _: value in ("silu", "swish"),
-        "our experts are SwiGLU (silu gate)",
-    ),
+OURS_FIXED = {
+    **MHA_ROUTED,
+    **ALL_MOE,
+    "qk_norm": "none",
+    "qkv_bias": False,
+    **SOFTMAX_ROUTING,
+    "moe.normalize_topk": True,
+    **NO_SHARED,
+}
+FIXED_FIELDS = (
+    *COMMON_FIXED,
     Fixed(
         "sliding_window",
         lambda cfg: None,
         lambda value, _: value is None,
         "our attention is full causal attention; null is valid",
     ),
-    Fixed(
-        "rope_parameters",
-        lambda cfg: {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        lambda value, _: (value or {}).get("rope_type", "default") == "default",
-        "only rope_type 'default' (no scaling) is implemented",
-    ),
-    Fixed("router_jitter_noise", lambda cfg: 0.0, _no_noise, "our model has no such noise; 0 is valid"),
-    Fixed("attention_dropout", lambda cfg: 0.0, _no_noise, "our model has no such noise; 0 is valid"),
+    NO_JITTER,
     # not MixtralConfig fields: a config that sets them came from elsewhere
-    Fixed("attention_bias", None, lambda value, _: not value, "our model has no biases"),
-    Fixed("mlp_bias", None, lambda value, _: not value, "our model has no biases"),
-    Fixed(
-        "quantization_config",
-        None,
-        lambda value, _: value is None,
-        "only unquantized checkpoints are read",
-        shown=lambda q: q.get("quant_method", q) if isinstance(q, dict) else q,
-    ),
-    # a byte-level (or any Switchyard) vocabulary has no special tokens; Mixtral's defaults (bos 1,
-    # eos 2) would make generate() stop at an ordinary token. Any value is read: we have no use for them
-    *(Fixed(f"{t}_token_id", lambda cfg: None, None) for t in ("bos", "eos", "pad")),
-)
-
-# the MoEConfig routing that Mixtral's sparse block computes; every other value is refused
-MIXTRAL_ROUTING: dict[str, object] = dict(
-    activation="swiglu",
-    router="token_choice",
-    score_func="softmax",
-    softmax_before_topk=True,
-    normalize_topk=True,
-    route_scale=1.0,
-    num_groups=None,
-    topk_groups=None,
-    expert_bias=False,
-    num_shared_experts=0,
-    shared_expert_gate=False,
+    Fixed("attention_bias", None, NO_BIAS.accepts, NO_BIAS.why),
+    NO_MLP_BIAS,
 )
 
 MIXTRAL = Adapter(
     name="Mixtral",
     model_type="mixtral",
     table=TABLE,
-    config_fields=CONFIG_FIELDS,
+    fields=FIELDS,
+    ours_fixed=OURS_FIXED,
     fixed=FIXED_FIELDS,
-    routing=MIXTRAL_ROUTING,
     config_class="MixtralConfig",
     architectures=("MixtralForCausalLM",),
     zero_in_theirs=ZERO_IN_MIXTRAL,

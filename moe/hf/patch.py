@@ -30,7 +30,7 @@ rank copies only its own experts), and the stock fused tensors are dropped with 
 - ``experts.w1``/``w3`` ``[X, D, F]`` hold the two halves of the stock fused
   ``experts.gate_up_proj [E, 2F, D]`` (``[:, :F]`` gate, ``[:, F:]`` up, transposed);
   ``experts.w2 [X, F, D]`` holds ``experts.down_proj [E, D, F]`` transposed
-  (``moe.hf.adapter.fused_to_ours``, the experts' row of the Mixtral table). They are new
+  (``moe.hf.tables.fused_to_ours``, the experts' row of the Mixtral table). They are new
   contiguous leaf Parameters: gradients land in ``w1.grad``/``w3.grad``/``w2.grad``, in the patched
   layout. (Views of the stock storage, as the first version held, cost 3-4% of a training step:
   the optimizer's elementwise passes over transposed, half-strided tensors, and the experts' matmuls
@@ -67,9 +67,9 @@ from routing_kernels.runtime import mark_expert_params
 from ..config import MoEConfig
 from ..experts import DenseFFN
 from ..layer import MoELayer
-from .adapter import fused_to_ours
 from .logits_tap import hook_if_already_hooked, tap_class
 from .stock import _load_stock_layout, _SavePretrained, _stock_names
+from .tables import fused_to_ours
 
 # model_type -> (block class name, router class name)
 _BLOCKS = {

@@ -20,8 +20,8 @@ import torch.nn as nn
 from routing_kernels.runtime import all_gather_into, group_rank, group_size
 
 from ..layer import MoELayer
-from .adapter import fused_to_ours, ours_to_fused
 from .logits_tap import hook_if_already_hooked
+from .tables import fused_to_ours, ours_to_fused
 
 
 def unpatch(model: nn.Module) -> nn.Module:

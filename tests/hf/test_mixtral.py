@@ -21,6 +21,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moe import MoEConfig  # noqa: E402
 from moe.hf.mixtral import (  # noqa: E402
+    MIXTRAL,
     TABLE,
     ZERO_IN_MIXTRAL,
     _read,
@@ -115,11 +116,13 @@ def test_the_table_names_every_tensor_of_both_models():
     ours, hf = _ours(), _hf()
     cfg = ours.cfg
 
-    def names(templates):
-        return {t.format(i=i) for t in templates for i in range(NL)}
+    def names(templates, i=None):
+        return {t.format(i=k) for t in templates for k in (range(NL) if i is None else [i])}
 
-    assert names([t for row in TABLE for t in row.ours] + list(ZERO_IN_MIXTRAL)) == set(ours.state_dict())
-    assert names([t for row in TABLE for t in row.module]) == set(hf.state_dict())
+    rows = list(MIXTRAL.rows(cfg))  # the table's rows this config's blocks have
+    assert {n for r, i in rows for n in names(r.ours, i)} | names(ZERO_IN_MIXTRAL) == set(ours.state_dict())
+    assert {n for r, i in rows for n in names(r.module, i)} == set(hf.state_dict())
+    assert {r for r, _ in rows} < set(TABLE)  # and some it has not (q/k norms, a qkv bias)
     # and the in-memory conversion fills a live transformers model exactly
     hf.load_state_dict(to_mixtral_state_dict(ours.state_dict(), cfg), strict=True)
     _logits_match(ours, hf, "ours vs transformers (state dict)")
@@ -223,12 +226,13 @@ def test_export_refuses_a_slice_of_the_experts_and_wrong_shapes(tmp_path):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(num_key_value_heads=2), r"num_key_value_heads=2"),
+        (dict(attention_bias=True), r"attention_bias=True"),
+        (dict(quantization_config={"quant_method": "fp8"}), r"quantization_config='fp8'"),
         (dict(sliding_window=16), r"sliding_window=16"),
         (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
         (
-            dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
-            r"rope_parameters=.*linear",
+            dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+            r"rope_parameters=.*dynamic",
         ),
         (dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1"),
     ],
@@ -333,12 +337,21 @@ def test_init_from_one_process_and_two_ranks_with_ep2(tmp_path, stdlib):
     assert abs(single["train_losses"][0] - ref) <= RTOL * ref, (single["train_losses"][0], ref)
 
 
-def test_init_from_names_the_mismatch(tmp_path):
-    from experiments.training.build import build_model
+def test_init_from_takes_the_config_and_names_a_conflicting_override(tmp_path):
+    from experiments.training.hf_init import resolve_init_from
 
-    transformers.MixtralConfig(**dict(TRAIN_MX, num_local_experts=4)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"moe\.num_experts=8 \(checkpoint: num_local_experts=4\)"):
-        build_model(cfg_of(*INIT_RUN, f"model.init_from={tmp_path}"))
+    transformers.MixtralConfig(**dict(TRAIN_MX, num_local_experts=4, num_key_value_heads=1)).save_pretrained(tmp_path)
+    run = [*INIT_RUN, f"model.init_from={tmp_path}"]
+    cfg = resolve_init_from(cfg_of(*run), overrides=run)  # model=tiny's values give way to the checkpoint's
+    assert (cfg.moe.num_experts, cfg.model.n_kv_heads, cfg.model.hf_family) == (4, 1, "mixtral")
+    assert cfg.model.max_seq_len == 32 and cfg.moe.aux_loss_coef == 0  # the run's own settings stay
+    bad = [*run, "moe.num_experts=8"]
+    with pytest.raises(
+        ValueError, match=r"moe\.num_experts=8 conflicts with the checkpoint: .* has moe\.num_experts=4"
+    ):
+        resolve_init_from(cfg_of(*bad), overrides=bad)
+    same = [*run, "moe.num_experts=4", "model.rope_theta=10000"]  # agreeing overrides are fine
+    resolve_init_from(cfg_of(*same), overrides=same)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +386,7 @@ def test_export_hf_turns_a_training_checkpoint_into_a_mixtral_directory(tmp_path
 
     monkeypatch.setattr(ec.CheckpointTensors, "_tensor", tracked)
     assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "mx")]) == 0
-    assert "wrote a transformers Mixtral checkpoint" in capsys.readouterr().out
+    assert "wrote a transformers Mixtral checkpoint" in capsys.readouterr().out  # the one family that carries it
     assert len(reads) == len(set(reads)) and set(run["weights"]) <= set(reads)  # each once
     hf = _from_pretrained(tmp_path / "mx")
     assert hf.config.num_local_experts == ours.cfg.moe.num_experts and hf.config.vocab_size == 256
@@ -417,5 +430,9 @@ def test_export_hf_refuses_a_model_mixtral_cannot_compute(tmp_path, stdlib, caps
     )
     assert ec.main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "mx")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: moe.score_func='sigmoid' cannot be a Mixtral model"), err
+    # the run was not started from a transformers checkpoint: no family can carry it, each says why
+    assert err.startswith(
+        "error: no supported family can carry this model: moe.score_func='sigmoid' cannot be a Mixtral"
+    )
+    assert "model.attention='mha' cannot be a DeepSeek-V3 model" in err, err
     assert not (tmp_path / "mx").exists()

@@ -1,0 +1,100 @@
+"""Sparse upcycling (``moe.hf.upcycle``): ``model.init_from=<dense Llama or Qwen3 dir>`` with
+``model.upcycle.num_experts=E``, ``model.upcycle.top_k=k``. Step 0's model is the dense one: its
+logits equal the stock dense model's within 1e-6 relative in norm (the same computation as
+tests/hf/test_families.py's export check, plus a weighted sum of k identical expert outputs whose
+weights sum to 1: a few ulps), every expert is the dense FFN bit for bit; then a short run trains,
+and its first loss is the dense model's loss on that batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as nnf
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from tests.support.training import SHORT, cfg_of  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RTOL = 1e-6  # see the module docstring
+DENSE = {
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),  # GQA 2, head dim 8
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=10)),
+}
+
+
+def _dense(family, path):
+    cls, kw = DENSE[family]
+    cfg = getattr(transformers, cls)(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        **kw,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def _run(path, *extra):
+    return [*SHORT, f"model.init_from={path}", "model.upcycle.num_experts=4", "model.upcycle.top_k=2", *extra]
+
+
+@pytest.mark.parametrize("family,moe_family", [("llama", "mixtral"), ("qwen3", "qwen3_moe")])
+def test_upcycled_model_starts_as_the_dense_one_and_trains(family, moe_family, tmp_path, stdlib):
+    from experiments.train import train
+    from experiments.training.build import build_model
+    from experiments.training.hf_init import resolve_init_from
+
+    hf = _dense(family, tmp_path / "dense")
+    run = _run(tmp_path / "dense", "train.steps=6", "train.log_every=1", "train.eval_every=6")
+    cfg = resolve_init_from(cfg_of(*run), overrides=run)
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.model.moe_every, cfg.model.hf_family) == (4, 2, 1, moe_family)
+    model = build_model(cfg).eval()
+    dense = dict(hf.named_parameters())
+    for i, block in enumerate(model.blocks):
+        ex = block.ffn.experts
+        for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            want = dense[f"model.layers.{i}.mlp.{theirs}.weight"].detach().t()
+            assert all(torch.equal(getattr(ex, ours)[e], want) for e in range(4)), (i, ours)
+        assert block.ffn.router.weight.abs().sum() > 0  # the router is initialised, not zero
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = hf(ids).logits, model(ids)
+    assert ((b - a).norm() / a.norm()).item() <= RTOL
+
+    summary = train(cfg_of(*run), run_dir=tmp_path / "run", data=stdlib, keep_weights=True)
+    x, y = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)
+    with torch.no_grad():
+        ref = nnf.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    first = summary["train_losses"][0]
+    assert abs(first - ref) <= 1e-5 * ref, (first, ref)  # the loss the run optimises at step 0 is the dense one's
+    assert summary["train_losses"][-1] < first
+    w = summary["weights"]["blocks.0.ffn.experts.w1"]
+    assert not torch.equal(w[0], w[1]) or not torch.equal(w[0], w[2])  # the experts drift apart
+
+
+def test_upcycling_refuses_an_moe_checkpoint_and_a_capacity(tmp_path):
+    from experiments.training.hf_init import resolve_init_from
+
+    transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, num_attention_heads=4, num_experts=4, moe_intermediate_size=8
+    ).save_pretrained(tmp_path / "moe")
+    run = _run(tmp_path / "moe")
+    with pytest.raises(ValueError, match=r"model\.upcycle\.num_experts=4: .* is a Qwen3-MoE checkpoint"):
+        resolve_init_from(cfg_of(*run), overrides=run)
+    _dense("llama", tmp_path / "dense")
+    run = _run(tmp_path / "dense", "moe.capacity_factor=1.25")
+    with pytest.raises(ValueError, match=r"moe\.capacity_factor=1\.25: an upcycled model starts as the dense one"):
+        resolve_init_from(cfg_of(*run), overrides=run)
+    run = _run(tmp_path / "dense", "model.upcycle.top_k=5")
+    with pytest.raises(ValueError, match=r"model\.upcycle\.top_k=5 is invalid"):
+        resolve_init_from(cfg_of(*run), overrides=run)
