@@ -165,6 +165,7 @@ def test_consolidate_writes_the_full_weights_of_any_layout(trainer_runs, tmp_pat
         assert (out / "config.yaml").is_file()
 
 
+@pytest.mark.slow  # two trainer runs and wandb's service
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     import wandb
 

@@ -51,6 +51,7 @@ def test_patch_matches_stock(arch):
         _compare(stock, patched, train=False, n_moe=n_moe)  # router logits still recorded after the swap back
 
 
+@pytest.mark.slow  # dynamo traces each model for seconds
 @pytest.mark.parametrize("arch", ["qwen2_moe_norm", "deepseek_v3"])  # a gated shared expert; groups, bias, scaling
 def test_patched_model_compiles_with_no_graph_break_of_its_own_and_matches_eager(arch):
     """``torch.compile`` of a patched model, as a user would call it: the patch adds no graph break

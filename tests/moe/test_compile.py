@@ -22,7 +22,8 @@ import torch.nn as nn
 import routing_kernels as rk
 from moe import MoEConfig, MoELayer, Transformer, TransformerConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+# slow: dynamo and AOTAutograd trace each model for seconds (pyproject.toml's markers)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # tests/conftest.py
 
 TOL = 1e-5  # see the module docstring
 

@@ -284,6 +284,7 @@ def test_optimizers_match_unsharded_ep2_inside_dp4_with_and_without_offload(resu
     assert _check_against_references(results_dp4, references, 4) == 4 * 4 * 3 * 2
 
 
+@pytest.mark.slow  # every optimizer's single-process reference run
 def test_the_runs_train(references):
     # the comparisons above are not between frozen runs: every optimizer lowers the loss
     for o in OPTIMIZERS:

@@ -120,6 +120,7 @@ def trainer_accepted(s, world: int) -> set[tuple]:
     return out
 
 
+@pytest.mark.slow  # composes and checks every config of a world of 4 through the trainer
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_the_planner_lists_exactly_the_layouts_the_trainer_accepts(setting, world):
     recs = zplan.enumerate(setting.costs, world=world, batch_size=BATCH)
@@ -135,6 +136,7 @@ def test_the_planner_lists_exactly_the_layouts_the_trainer_accepts(setting, worl
         assert {r.pp_schedule for r in recs if r.pp > 1} <= {"zbv", "dualpipev"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_listed_layout_passes_the_trainer_through_its_own_overrides(setting, world):
     recs = zplan.enumerate(setting.costs, world=world, batch_size=BATCH)
