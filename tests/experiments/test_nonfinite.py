@@ -324,8 +324,8 @@ def test_a_layer_aux_loss_is_named(tmp_path, stdlib, monkeypatch):
     # (computed before the loss and the gradient norm, and after the first layer's)
     build = train_mod.build_model
 
-    def poisoned(cfg, layout=None):
-        model = build(cfg, layout)
+    def poisoned(cfg, *args, **kwargs):
+        model = build(cfg, *args, **kwargs)
         calls = itertools.count(1)
 
         def hook(module, args):
