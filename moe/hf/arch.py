@@ -10,7 +10,7 @@ fields ``TRAINING_MOE_FIELDS``.
 
 from __future__ import annotations
 
-from ..model import _ROPE_PARAMS, TransformerConfig
+from ..model_config import _ROPE_PARAMS, TransformerConfig
 
 TRAINING_MOE_FIELDS = (
     "capacity_factor",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import _ROPE_PARAMS
+from ..model_config import _ROPE_PARAMS
 from ..rope import ROPE_SCALINGS
 from .tables import OMIT, Field, Fixed, fused_to_ours, ours_to_fused, row
 
