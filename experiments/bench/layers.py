@@ -1,9 +1,11 @@
 """The MoE layer shapes and the layer step that the layer benchmark (``moe_layer``) and the
-profiler (``profile_layer``) share. Shapes follow the project's legend (docs/design.md)."""
+profiler (``profile_layer``) share, and the residual GELU MLP the ZeRO benchmarks (``zero``,
+``zeropp``) shard. Shapes follow the project's legend (docs/design.md)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from moe import MoEConfig, MoELayer
 
@@ -34,3 +36,25 @@ def layer_step(layer, x_TD, grad_TD):
     x_TD.grad = None
     out_TD = layer(x_TD)
     out_TD.backward(grad_TD)
+
+
+# the ZeRO benchmarks' model: residual GELU blocks, each one ZeRO unit
+class Block(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.up = nn.Linear(d, f)
+        self.down = nn.Linear(f, d)
+
+    def forward(self, x_TD):
+        return x_TD + self.down(nn.functional.gelu(self.up(x_TD)))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, f: int, layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, f) for _ in range(layers))
+
+    def forward(self, x_TD):
+        for b in self.blocks:
+            x_TD = b(x_TD)
+        return x_TD

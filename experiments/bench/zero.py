@@ -24,29 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from experiments.bench.layers import MLP
 from experiments.launch import init_rank, rendezvous_port
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, f: int):
-        super().__init__()
-        self.up = nn.Linear(d, f)
-        self.down = nn.Linear(f, d)
-
-    def forward(self, x_TD):
-        return x_TD + self.down(torch.nn.functional.gelu(self.up(x_TD)))
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int, f: int, layers: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d, f) for _ in range(layers))
-
-    def forward(self, x_TD):
-        for b in self.blocks:
-            x_TD = b(x_TD)
-        return x_TD
-
 
 CONTENDERS = ["DDP", "FSDP2", "Switchyard ZeRO-1", "Switchyard ZeRO-2", "Switchyard ZeRO-3"]
 
