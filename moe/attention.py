@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as nnf
-from einops import rearrange
 
 from .rope import apply_rotary
 
@@ -41,6 +40,20 @@ def document_mask(segment_BL: torch.Tensor) -> torch.Tensor:
     causal_LL = torch.ones(L, L, dtype=torch.bool, device=segment_BL.device).tril()
     same_BLL = segment_BL[:, :, None] == segment_BL[:, None, :]
     return (same_BLL & causal_LL)[:, None]
+
+
+def split_heads(x_BLX: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, L, n X/n] -> [B, n, L, X/n]`` (einops ``b l (h j) -> b h l j``), a view.
+
+    Plain view ops rather than ``einops.rearrange``: torch.compile traces einops >= 0.8.2's pattern
+    parser instruction by instruction on every compile (measured: 68% of a block's trace, see
+    docs/design.md), and these two lines trace in none."""
+    return x_BLX.unflatten(-1, (n, -1)).transpose(1, 2)
+
+
+def merge_heads(y_BHLJ: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, J] -> [B, L, H J]`` (einops ``b h l j -> b l (h j)``), a contiguous copy."""
+    return y_BHLJ.transpose(1, 2).flatten(2)
 
 
 def attend(q_BHLJ, k_BZLJ, v_BZLO, mask_B1LL=None, scale: float | None = None):
@@ -78,15 +91,15 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x_BLD).split([H * J, Z * J, Z * J], dim=-1)  # [B, L, H J], [B, L, Z J] x 2
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
-        q_BHLJ = rearrange(q, "b l (h j) -> b h l j", h=H)
-        k_BZLJ = rearrange(k, "b l (z j) -> b z l j", z=Z)
-        v_BZLJ = rearrange(v, "b l (z j) -> b z l j", z=Z)
+        q_BHLJ = split_heads(q, H)
+        k_BZLJ = split_heads(k, Z)
+        v_BZLJ = split_heads(v, Z)
         if self.qk_norm == "head":
             q_BHLJ, k_BZLJ = self.q_norm(q_BHLJ), self.k_norm(k_BZLJ)
         q_BHLJ = apply_rotary(q_BHLJ, cos, sin, self.rope_interleave)
         k_BZLJ = apply_rotary(k_BZLJ, cos, sin, self.rope_interleave)
         y_BHLJ = attend(q_BHLJ, k_BZLJ, v_BZLJ, mask_B1LL)
-        return self.proj(rearrange(y_BHLJ, "b h l j -> b l (h j)"))
+        return self.proj(merge_heads(y_BHLJ))
 
 
 class LatentAttention(nn.Module):
@@ -127,15 +140,15 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BLD)))
         else:
             q = self.q_proj(x_BLD)
-        q_BHLJ = rearrange(q, "b l (h j) -> b h l j", h=H)
+        q_BHLJ = split_heads(q, H)
         q_nope, q_rope = q_BHLJ.split([self.nope, self.rope], dim=-1)
         # the latent [B, L, kv_lora_rank] and the shared rotary key
         kv_lat, k_rope_BLY = self.kv_a_proj(x_BLD).split([self.kv_rank, self.rope], dim=-1)
-        kv = rearrange(self.kv_b_proj(self.kv_a_norm(kv_lat)), "b l (h c) -> b h l c", h=H)
+        kv = split_heads(self.kv_b_proj(self.kv_a_norm(kv_lat)), H)
         k_nope, v_BHLO = kv.split([self.nope, self.v_dim], dim=-1)
         q_rope = apply_rotary(q_rope, cos, sin, self.rope_interleave)
         k_rope_B1LY = apply_rotary(k_rope_BLY[:, None], cos, sin, self.rope_interleave)
         q_BHLJ = torch.cat([q_nope, q_rope], dim=-1)
         k_BHLJ = torch.cat([k_nope, k_rope_B1LY.expand(-1, H, -1, -1)], dim=-1)
         y_BHLO = attend(q_BHLJ, k_BHLJ, v_BHLO, mask_B1LL, scale=self.scale)
-        return self.proj(rearrange(y_BHLO, "b h l o -> b l (h o)"))
+        return self.proj(merge_heads(y_BHLO))

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 
 from routing_kernels.runtime import all_reduce_sum, first_pass_weight, group_size
 
@@ -120,7 +119,7 @@ class MoELayer(nn.Module):
                 f"MoELayer expects last dimension d_model={cfg.d_model}, got input of shape {tuple(x.shape)}"
             )
         shape = x.shape
-        x_TD = rearrange(x, "... d -> (...) d")  # every leading dim is tokens
+        x_TD = x.reshape(-1, shape[-1])  # every leading dim is tokens
         T = x_TD.shape[0]
         # capacity and expert choice decide over the whole data-parallel batch, so the kept set is
         # the single-process one on every layout

@@ -20,15 +20,14 @@ PACKAGES = ("moe", "zero", "routing_kernels", "experiments", "conf")
 
 # what each library package may import at all (top level or lazily), beyond the standard library
 ALLOWED = {
-    "routing_kernels": {"torch", "triton", "numpy", "einops"},
+    "routing_kernels": {"torch", "triton", "numpy"},
     # xxhash: a core dependency (checkpoint digests); yaml: the planner's profiles, read lazily
-    "zero": {"torch", "triton", "numpy", "einops", "routing_kernels", "xxhash", "yaml"},
+    "zero": {"torch", "triton", "numpy", "routing_kernels", "xxhash", "yaml"},
     # zero: the planner's cost types (moe.costs describes each block to zero.plan); never the reverse
     "moe": {
         "torch",
         "triton",
         "numpy",
-        "einops",
         "routing_kernels",
         "zero",
         "transformers",

@@ -29,6 +29,7 @@ slices are disjoint, and a run can resume at any step. Shapes follow the project
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -192,6 +193,19 @@ def split_files(rel_paths: list[str], val_fraction: float, split_seed: int = 0) 
 
 
 def _list_files(root: Path, pattern: str, exclude_dirs: tuple[str, ...]) -> list[str]:
+    head, _, name = pattern.rpartition("/")
+    if head == "**" and "**" not in name:
+        # "**/<name>": walk the tree once, pruning the excluded folders instead of globbing through
+        # them (the standard library's folder may hold all of site-packages). The same files as
+        # Path.glob: symlinked folders are not entered, symlinks to files are kept.
+        out = []
+        for dirpath, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in exclude_dirs]
+            rel_dir = Path(dirpath).relative_to(root)
+            for f in files:
+                if fnmatch.fnmatchcase(f, name) and os.path.isfile(os.path.join(dirpath, f)):
+                    out.append((rel_dir / f).as_posix())
+        return sorted(out)
     out = []
     for p in root.glob(pattern):
         rel = p.relative_to(root)

@@ -49,6 +49,26 @@ def test_text_folder_split_and_cache(tmp_path):
     assert all(doc.startswith(b"file ") for doc in train_docs | val_docs)
 
 
+@pytest.mark.parametrize("pattern", ["**/*.txt", "**/*", "*.txt", "a/**/*.txt"])
+def test_the_file_walk_lists_what_path_glob_lists(tmp_path, pattern):
+    # "**/<name>" walks the tree pruning the excluded folders; Path.glob, filtered after, is the reference
+    from experiments.training.data import _list_files
+
+    for rel in ["a/b/x.txt", ".h/.y.txt", "z.txt", "skip/q.txt", "a/skip/r.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    (tmp_path / "d.txt").mkdir()  # a folder whose name matches
+    (tmp_path / "into").symlink_to(tmp_path / "a")  # a symlinked folder: not entered
+    (tmp_path / "l.txt").symlink_to(tmp_path / "z.txt")  # a symlinked file: kept
+    (tmp_path / "broken.txt").symlink_to(tmp_path / "nowhere")  # a broken link: not a file
+    ref = sorted(
+        p.relative_to(tmp_path).as_posix()
+        for p in tmp_path.glob(pattern)
+        if p.is_file() and "skip" not in p.relative_to(tmp_path).parts[:-1]
+    )
+    assert ref and _list_files(tmp_path, pattern, ("skip",)) == ref
+
+
 def test_stdlib_corpus():
     data = load_stdlib()  # the cache real runs use (a fresh build is covered by the text-folder test)
     assert data.vocab_size == 256 and data.info["files"] > 100
