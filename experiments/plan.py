@@ -20,7 +20,9 @@ a chart of memory and time per layout beside it (``plan.png``; needs matplotlib,
 profile name under ``conf/cluster`` or a yaml path, required), ``out`` (JSON path), ``chart`` (PNG
 path; default beside ``out``), ``top`` (table rows, default 20), ``skew`` (dropless MoE: worst-case
 rows over the mean; default the worst case possible), ``max_virtual`` (interleaved schedules:
-the most virtual stages per rank tried).
+the most virtual stages per rank tried), ``zeropp`` (true: also ZeRO++'s hpZ, qwZ and qgZ, every
+valid combination, on the profile's nodes; off by default, as qwZ and qgZ quantize what they move;
+holding one of ``parallel.zero_hpz``/``zero_qwz``/``zero_qgz`` searches them too).
 
 ``--calibrate`` measures the machine it runs on: matmul FLOP/s by size, a large copy's bandwidth,
 the fixed cost of one operator, the host optimizer's rate, and each collective by message size on 2
@@ -31,6 +33,7 @@ what was not measured.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -46,7 +49,16 @@ from experiments.calibrate import (  # noqa: F401  (the calibration's public nam
 from zero.plan import LayoutRecord, Prediction
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-PLAN_KEYS = {"world": int, "cluster": str, "out": str, "chart": str, "top": int, "skew": float, "max_virtual": int}
+PLAN_KEYS = {
+    "world": int,
+    "cluster": str,
+    "out": str,
+    "chart": str,
+    "top": int,
+    "skew": float,
+    "max_virtual": int,
+    "zeropp": lambda v: _parse_bool(v),
+}
 # LayoutRecord field of each trainer key a user may hold fixed
 FIXED = {v: k for k, v in zplan.KEYS.items()}
 
@@ -98,7 +110,7 @@ def fixed_keys(overrides: list[str]) -> dict:
         field = FIXED[key]
         if field == "zero_offload":
             out[field] = _parse_offload(value)
-        elif field == "checkpoint_activations":
+        elif field in ("checkpoint_activations", "zero_hpz", "zero_qwz", "zero_qgz"):
             out[field] = _parse_bool(value)
         elif field == "pp_schedule":
             out[field] = value
@@ -139,14 +151,21 @@ def plan_layouts(cfg, world: int, profile: zplan.Profile, fixed: dict | None = N
         raise ValueError(f"plan.world={world!r} is invalid: expected a positive integer (the number of ranks)")
     costs = costs_of(cfg, profile)
     skew = kw.pop("skew", None)
+    # ZeRO++ is searched when asked (plan.zeropp=true) or when a key of it is held
+    zeropp = bool(kw.pop("zeropp", False)) or any(k in (fixed or {}) for k in zplan.ZEROPP)
+    p = cfg.parallel
+    block = {"zero_quant_block": int(p.zero_quant_block), "zero_qgz_bits": int(p.zero_qgz_bits)}
     recs = zplan.enumerate(
         costs,
         world=world,
         batch_size=int(cfg.train.batch_size),
-        mixed_precision=str(cfg.parallel.zero_mixed_precision),
+        mixed_precision=str(p.zero_mixed_precision),
         fixed=fixed,
+        zeropp=zeropp,
+        node_size=profile.node_size,
         **kw,
     )
+    recs = [dataclasses.replace(r, **block) for r in recs]  # the run's quantization settings
     if not recs:
         raise ValueError(
             f"no layout of {world} ranks is valid for train.batch_size={cfg.train.batch_size}, "
@@ -232,7 +251,7 @@ def run_plan(argv: list[str]) -> int:
             f"note: the model states assume Adam's two moments; optim.name={cfg.optim.name} keeps fewer",
             file=sys.stderr,
         )
-    kw = {k: opts[k] for k in ("skew", "max_virtual") if k in opts}
+    kw = {k: opts[k] for k in ("skew", "max_virtual", "zeropp") if k in opts}
     costs, ranked = plan_layouts(cfg, opts["world"], profile, fixed, **kw)
     params = costs.param_counts()
     print(

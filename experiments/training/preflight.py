@@ -131,6 +131,11 @@ def record_of(cfg, world: int) -> LayoutRecord:
         checkpoint_activations=bool(cfg.model.checkpoint_activations),
         grad_accum=int(cfg.train.grad_accum),
         mixed_precision=str(p.zero_mixed_precision),
+        zero_hpz=bool(p.zero_hpz),
+        zero_qwz=bool(p.zero_qwz),
+        zero_qgz=bool(p.zero_qgz),
+        zero_qgz_bits=int(p.zero_qgz_bits),
+        zero_quant_block=int(p.zero_quant_block),
     )
 
 

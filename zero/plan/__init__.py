@@ -16,8 +16,9 @@ per pipeline layer, which ``moe.costs`` builds from a ``TransformerConfig``.
 from __future__ import annotations
 
 from .cost import PARTS, BlockCost, MatMul, ModelCosts, Prediction, predict
-from .enumerate import KEYS, LayoutRecord, enumerate_layouts, layout_problem
+from .enumerate import KEYS, ZEROPP, LayoutRecord, enumerate_layouts, layout_problem
 from .profile import AlphaBeta, Profile, available_profiles, fit_alpha_beta, load_profile, save_profile
+from .wire import comm_bytes
 
 
 def enumerate(costs: ModelCosts, *, world: int, batch_size: int, mixed_precision: str = "fp32", **kw):  # noqa: A001
@@ -44,6 +45,7 @@ def rank(costs: ModelCosts, profile: Profile, layouts, *, skew: float | None = N
 __all__ = [
     "PARTS",
     "KEYS",
+    "ZEROPP",
     "AlphaBeta",
     "BlockCost",
     "LayoutRecord",
@@ -52,6 +54,7 @@ __all__ = [
     "Prediction",
     "Profile",
     "available_profiles",
+    "comm_bytes",
     "enumerate",
     "enumerate_layouts",
     "fit_alpha_beta",

@@ -13,7 +13,9 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
     gathered_params ZeRO-3: the full weights of the blocks gathered at once: the block computing
                     and the one prefetched (``zero.gather``: two at most), plus a tied weight (the
                     root unit, gathered for the whole pass); under a pipeline the engine keeps a
-                    stage's blocks gathered for the whole step, so all of them
+                    stage's blocks gathered for the whole step, so all of them; under hpZ also
+                    the secondary partition, a 1/k slice of every block (k: the sharding group's
+                    members on one node), from the block's first forward to the step
     grad_buffers    ZeRO-2/3: the full-size local gradient buffers; ``zero.flat`` frees them only
                     once the step's reductions are waited for, so during a backward they add to the
                     shards ``predict_memory`` counts
@@ -35,8 +37,16 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
 
 Step time. Each matrix product at the profile's FLOP/s for its size, each elementwise byte at its
 memory bandwidth, each operator a fixed overhead, and each collective by the α-β model of its link
-tier (a group inside one node: ``intra``; else ``inter``; All-to-All splits its bytes between the
-two). The overlaps are the engine's: ZeRO-3 prefetches the next block's gather while a block
+tier (a group inside one node: ``intra``; a group of k members on each of n nodes: the two-level
+algorithm whose bytes ``zero.comm`` counts, (n - 1) N / W across nodes at the ``inter`` link and
+(k - 1) N / k inside; one member a node: the ring at the ``inter`` link; All-to-All splits its bytes
+between the two). ZeRO++ (``LayoutRecord.zero_hpz`` / ``zero_qwz`` / ``zero_qgz``): qwZ gathers
+int8 and an fp32 scale per block, plus a pass that dequantizes; hpZ makes every gather after the
+step's first forward (the backwards, later micro-batches' forwards) one inside the node in the
+compute dtype; qgZ replaces the reduce-scatter with an all-to-all of quantized rows inside the node
+and one across nodes among the ranks at the same position, plus passes that quantize and that
+dequantize and sum. ``Prediction.comm_bytes``: the bytes per tier the engine's counters log
+(``zero.plan.wire``). The overlaps are the engine's: ZeRO-3 prefetches the next block's gather while a block
 computes (max per block, the first gather exposed); gradient reductions start per block as soon as
 its gradients are complete (overlapping the rest of that backward) without a pipeline, and after a
 rank's last backward with one (``Pipeline`` calls ``start_reduction``); the MoE layer's
@@ -60,6 +70,7 @@ from .profile import Profile
 from .records import PARTS, BlockCost, MatMul, ModelCosts, Prediction
 from .schedule import live_plan, simulate_plan
 from .terms import _Costing, _layer_terms
+from .wire import comm_bytes
 
 __all__ = ["PARTS", "BlockCost", "MatMul", "ModelCosts", "Prediction", "predict"]
 
@@ -105,7 +116,7 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
     stages = [(0, L)] if plan is None else list(plan.ranges)
 
     # per layer: passes, communication, memory per token
-    comp, moe, gath, red = _layer_terms(cst)
+    comp, moe, gath, red, gath2 = _layer_terms(cst)
 
     def layer_f(j):
         return comp[j]["F"] + moe[j]["F"]
@@ -166,15 +177,17 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
         # stages 2-3: full-size local gradients beside the shards until the reductions are waited for
         grad_full = full if rec.zero_stage >= 2 else [0.0] * len(layers)
         if rec.zero_stage == 3:
+            if rec.zero_hpz:  # the secondary partition: a 1/k slice of every block from its first forward on
+                parts["gathered_params"] += sum(_secondary(cst, blocks[j]) for j in layers)
             if plan is not None:  # keep_gathered_across_microbatches: the stage's blocks, all step
-                parts["gathered_params"] = sum(full)
+                parts["gathered_params"] += sum(full)
             else:
                 # a weight two blocks share is the engine's root unit, gathered for the whole pass;
                 # of the others, the block computing and the one prefetched
                 root = sum(f for j, f in zip(layers, full) if _is_tied(blocks, j))
                 own = [0.0 if _is_tied(blocks, j) else f for j, f in zip(layers, full)]
                 pairs = [own[a] + own[a + 1] for a in range(len(own) - 1)] or own
-                parts["gathered_params"] = max(pairs) + root
+                parts["gathered_params"] += max(pairs) + root
         work = [blocks[j].transient_bytes * T for j in layers]
         if ckpt:
             # the recomputed block's activations (its kernel's saved buffers are kernel_buffers)
@@ -221,14 +234,19 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
         layers = rank_layers[0]
         f_c = [layer_f(j) for j in layers]
         b_c = [layer_i(j) + layer_w(j) for j in layers][::-1]
-        g = [gath[j] for j in layers]
-        fwd = _stream(f_c, g) if rec.zero_stage == 3 else sum(f_c)
-        bwd = _stream(b_c, g[::-1]) if rec.zero_stage == 3 else sum(b_c)
+        g, g2 = [gath[j] for j in layers], [gath2[j] for j in layers]
+        z3 = rec.zero_stage == 3
+        # the step's first forward gathers from the primary partition; the backwards and the later
+        # forwards gather again (under hpZ from the secondary one, inside the node)
+        fwd = _stream(f_c, g) if z3 else sum(f_c)
+        fwd_again = _stream(f_c, g2) if z3 else sum(f_c)
+        bwd = _stream(b_c, g2[::-1]) if z3 else sum(b_c)
         # the last micro-batch's backward overlaps each layer's reduction with the layers before it
         r_rev = [red[j] for j in layers][::-1]
         last_bwd = max(bwd, _overlapped_reduction(b_c, r_rev)) if rec.dp > 1 else bwd
-        pipeline = rec.grad_accum * fwd + (rec.grad_accum - 1) * bwd + last_bwd
-        tp.update(forward=rec.grad_accum * fwd, backward=rec.grad_accum * bwd, reduction_exposed=last_bwd - bwd)
+        pipeline = fwd + (rec.grad_accum - 1) * (fwd_again + bwd) + last_bwd
+        forward = fwd + (rec.grad_accum - 1) * fwd_again
+        tp.update(forward=forward, backward=rec.grad_accum * bwd, reduction_exposed=last_bwd - bwd)
         bubble = 0.0
         finish = [pipeline]
         reduce_after = [0.0]
@@ -279,7 +297,10 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
         reduction=max(sum(red[j] for j in layers) for layers in rank_layers),
         optimizer=max(opt),
         weight_gather=max(post),
-        gathers=max(sum(gath[j] for j in layers) for layers in rank_layers) * (1 if plan is not None else 2 * passes),
+        gathers=max(
+            sum(gath[j] for j in layers) + (0 if plan is not None else (2 * passes - 1) * sum(gath2[j] for j in layers))
+            for layers in rank_layers
+        ),
         moe_comm=max(sum(moe[j]["F"] + moe[j]["I"] for j in layers) for layers in rank_layers) * passes,
     )
     per_node = min(rec.world, profile.node_size)
@@ -295,7 +316,16 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
         tokens_per_s=rec.batch_size * costs.seq_len / step,
         bubble=bubble,
         live_microbatches=count,
+        comm_bytes=comm_bytes(rec, costs, profile.node_size),
     )
+
+
+def _secondary(cst: _Costing, b: BlockCost) -> float:
+    """hpZ: bytes of layer ``b``'s secondary slice on this rank, 1/k of its weights per sharding
+    group (k: the group's members on this node; one a node keeps the whole layer)."""
+    if b.shares_params_with is not None:
+        return 0.0
+    return sum(elems * cst.c_w / len(cst.groups.local(ranks)) for elems, ranks in cst._sharded(b) if len(ranks) > 1)
 
 
 def _is_tied(blocks, j) -> bool:

@@ -27,7 +27,13 @@ KEYS = {
     "pp_microbatches": "parallel.pp_microbatches",
     "checkpoint_activations": "model.checkpoint_activations",
     "grad_accum": "train.grad_accum",
+    "zero_hpz": "parallel.zero_hpz",
+    "zero_qwz": "parallel.zero_qwz",
+    "zero_qgz": "parallel.zero_qgz",
+    "zero_qgz_bits": "parallel.zero_qgz_bits",
 }
+# ZeRO++ (zero.zeropp): listed only when asked (``zeropp=True``): qwZ and qgZ change the numbers
+ZEROPP = ("zero_hpz", "zero_qwz", "zero_qgz")
 
 
 def _divisors(n: int) -> list[int]:
@@ -56,6 +62,15 @@ class LayoutRecord:
     checkpoint_activations: bool = False
     grad_accum: int = 1
     mixed_precision: str = "fp32"
+    zero_hpz: bool = False
+    zero_qwz: bool = False
+    zero_qgz: bool = False
+    zero_qgz_bits: int = 4
+    zero_quant_block: int = 256  # parallel.zero_quant_block: elements per fp32 scale (qwZ, qgZ)
+
+    @property
+    def zeropp(self) -> bool:
+        return self.zero_hpz or self.zero_qwz or self.zero_qgz
 
     @property
     def dp(self) -> int:
@@ -93,6 +108,8 @@ class LayoutRecord:
         if self.pp > 1:
             names += ["pp_schedule", "pp_virtual_stages", "pp_microbatches"]
         names += ["checkpoint_activations", "grad_accum"]
+        if self.zeropp:  # the ZeRO++ keys only where one is on (off is the trainer's default)
+            names += [*ZEROPP, *(["zero_qgz_bits"] if self.zero_qgz else [])]
         # zero_offload: the trainer's none | cpu (the planner does not model nvme)
         value = {"zero_offload": lambda v: "cpu" if v else "none"}
         return [f"{KEYS[k]}={value.get(k, _fmt)(getattr(self, k))}" for k in names]
@@ -108,16 +125,52 @@ class LayoutRecord:
             parts.append(f"ga{self.grad_accum}")
         if self.checkpoint_activations:
             parts.append("ckpt")
+        zpp = [n for n, on in (("hpZ", self.zero_hpz), ("qwZ", self.zero_qwz)) if on]
+        zpp += [f"qgZ{self.zero_qgz_bits}"] if self.zero_qgz else []
+        if zpp:
+            parts.append("+".join(zpp))
         return " ".join(parts)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def group_split(rec: LayoutRecord, kind: str, node_size: int) -> tuple[int, int] | None:
+    """``(n, k)`` of the first pipeline rank's ``dp`` or ``edp`` group (``zero.Layout``'s
+    groups: dp consecutive ranks, edp every ep-th of them): the nodes of ``node_size`` ranks it
+    spans and its members on each, or None when nodes hold different numbers of its members."""
+    ranks = range(rec.dp) if kind == "dp" else range(0, rec.dp, rec.ep)
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[r // node_size] = per_node.get(r // node_size, 0) + 1
+    counts = set(per_node.values())
+    return (len(per_node), counts.pop()) if len(counts) == 1 else None
+
+
+def zeropp_problem(rec: LayoutRecord, node_size: int | None) -> str | None:
+    """Why ``zero.zeropp.check_options`` would refuse ``rec``'s ZeRO++ options (its rules), or None."""
+    if (rec.zero_hpz or rec.zero_qwz) and rec.zero_stage != 3:
+        return f"parallel.zero_hpz / zero_qwz need parallel.zero_stage=3, got {rec.zero_stage}"
+    if rec.zero_qgz and rec.zero_stage == 0:
+        return "parallel.zero_qgz=true needs parallel.zero_stage 1, 2 or 3"
+    if rec.zero_qgz_bits not in (4, 8):
+        return f"parallel.zero_qgz_bits={rec.zero_qgz_bits!r} is invalid: expected 4 or 8"
+    if (rec.zero_hpz or rec.zero_qgz) and node_size is not None:
+        for kind in ("dp", "edp"):
+            if group_split(rec, kind, node_size) is None:
+                return f"hpz / qgz need every {kind} group evenly on its nodes; node_size={node_size}, dp={rec.dp}"
+    return None
+
+
 def layout_problem(
-    rec: LayoutRecord, num_layers: int, num_experts: int | None = None, tied: tuple[int, int] | None = None
+    rec: LayoutRecord,
+    num_layers: int,
+    num_experts: int | None = None,
+    tied: tuple[int, int] | None = None,
+    node_size: int | None = None,
 ) -> str | None:
-    """Why the trainer would refuse ``rec`` (its own message), or None when it accepts it."""
+    """Why the trainer would refuse ``rec`` (its own message), or None when it accepts it.
+    ``node_size``: ranks per node, for the ZeRO++ options' node rules (None: not checked)."""
     try:
         validate_layout(rec.world, rec.pp, rec.ep, num_experts)
     except ValueError as e:
@@ -126,6 +179,9 @@ def layout_problem(
         return f"parallel.zero_stage={rec.zero_stage!r} is invalid: expected 0, 1, 2 or 3"
     if rec.zero_offload and rec.zero_stage == 0:
         return "parallel.zero_offload=cpu needs parallel.zero_stage >= 1"
+    problem = zeropp_problem(rec, node_size)
+    if problem is not None:
+        return problem
     if rec.grad_accum < 1 or rec.batch_size % (rec.dp * rec.grad_accum):
         return f"train.batch_size={rec.batch_size} must be divisible by dp={rec.dp} x train.grad_accum={rec.grad_accum}"
     try:
@@ -159,13 +215,20 @@ def enumerate_layouts(
     mixed_precision: str = "fp32",
     fixed: dict | None = None,
     max_virtual: int | None = None,
+    zeropp: bool = False,
+    node_size: int | None = None,
 ) -> list[LayoutRecord]:
     """Every layout the trainer accepts for ``num_layers`` pipeline layers (the embedding, the
     blocks, the head), ``world`` ranks and ``batch_size`` global sequences, in a fixed order.
     ``num_experts``: the routed experts of the MoE layers (None: a dense model, ep=1); ``tied``:
     the two layers that share weights (tied embeddings); ``fixed``: keys (``LayoutRecord`` field
     names) held at one value, e.g. ``{"pp": 16, "ep": 64}``; ``max_virtual``: the most virtual
-    stages per rank tried for the interleaved schedules (default: as many as the layers allow)."""
+    stages per rank tried for the interleaved schedules (default: as many as the layers allow).
+    ``zeropp``: also every valid combination of ZeRO++'s hpZ, qwZ and qgZ (int4) for ZeRO-1 to 3,
+    with ``node_size`` ranks per node (needed: hpZ and qgZ need each group evenly on its nodes);
+    off by default, since qwZ and qgZ quantize the weights and gradients they move."""
+    if zeropp and (not isinstance(node_size, int) or isinstance(node_size, bool) or node_size < 1):
+        raise ValueError(f"zeropp=True needs node_size, the ranks per node (a positive integer), got {node_size!r}")
     for name, v in (("world", world), ("batch_size", batch_size), ("num_layers", num_layers)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}={v!r} is invalid: expected a positive integer")
@@ -211,7 +274,20 @@ def enumerate_layouts(
                     for stage in allowed("zero_stage", [0, 1, 2, 3]):
                         for off in allowed("zero_offload", [False, True] if stage else [False]):
                             for ckpt in allowed("checkpoint_activations", [False, True]):
-                                out.append(
-                                    replace(base, zero_stage=stage, zero_offload=off, checkpoint_activations=ckpt)
-                                )
+                                rec = replace(base, zero_stage=stage, zero_offload=off, checkpoint_activations=ckpt)
+                                for opts in _zeropp_choices(rec, zeropp, node_size, allowed):
+                                    out.append(replace(rec, **opts))
+    return out
+
+
+def _zeropp_choices(rec: LayoutRecord, zeropp: bool, node_size: int | None, allowed) -> list[dict]:
+    if not zeropp:
+        return [{}]
+    out = []
+    for hpz in allowed("zero_hpz", [False, True]):
+        for qwz in allowed("zero_qwz", [False, True]):
+            for qgz in allowed("zero_qgz", [False, True]):
+                opts = {"zero_hpz": hpz, "zero_qwz": qwz, "zero_qgz": qgz}
+                if zeropp_problem(replace(rec, **opts), node_size) is None:
+                    out.append(opts)
     return out

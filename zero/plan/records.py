@@ -119,6 +119,8 @@ class Prediction:
     tokens_per_s: float = 0.0  # global
     bubble: float = 0.0  # the pipeline's idle fraction (0 without a pipeline)
     live_microbatches: int = 1  # the most micro-batches' activations alive at once on a rank
+    # bytes one rank sends per step by link tier, as the engine counts them (zero.plan.wire)
+    comm_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -131,6 +133,7 @@ class Prediction:
             "tokens_per_s": self.tokens_per_s,
             "bubble": self.bubble,
             "live_microbatches": self.live_microbatches,
+            "comm_bytes": dict(self.comm_bytes),
         }
 
 

@@ -11,6 +11,12 @@ from .enumerate import LayoutRecord
 from .profile import Profile, bus_factor, steps
 from .records import BlockCost, ModelCosts
 
+
+def qrow_bytes(m: float, bits: int, block: int) -> float:
+    """Bytes ``m`` elements take block-quantized on the wire (``zero.zeropp.row_bytes``, unrounded)."""
+    return m * bits / 8 + 4 * m / block
+
+
 # Adam (torch's foreach/fused AdamW) per parameter of this rank's shard, bytes through memory:
 # the master weight, both moments read and written (3 x 4 x 2), the gradient read, scaled by 1/dp
 # and clip in place (c x 3), the compute weight written back (c), the norm's read (c)
@@ -27,6 +33,16 @@ class _Groups:
         self.dp = list(range(base, base + dp))
         self.ep = list(range(base, base + ep))
         self.edp = list(range(base, base + dp, ep))
+
+    def local(self, ranks) -> list[int]:
+        """The members of group ``ranks`` on the first member's node."""
+        node = ranks[0] // self.node_size
+        return [r for r in ranks if r // self.node_size == node]
+
+    def across(self, ranks) -> list[int]:
+        """The members of group ``ranks`` at the first member's position on each node."""
+        k = len(self.local(ranks))
+        return list(ranks[::k])
 
     def nodes(self, ranks) -> int:
         # groups are runs of ranks with one stride: count the nodes from the ends
@@ -61,7 +77,17 @@ class _Costing:
         nodes = self.groups.nodes(ranks)
         if nodes == 1:
             return p.link("intra", op).time(op, nbytes, n)
-        if op != "all_to_all":
+        if op in ("all_gather", "reduce_scatter", "all_reduce") and n % nodes == 0 and n > nodes:
+            # k members on each of the n nodes: the two-level algorithm zero.comm counts the bytes
+            # of, across nodes among the ranks at one position ((n - 1) N / W each), then inside
+            # the node ((k - 1) N / k); an all-reduce is a reduce-scatter and an all-gather
+            k = n // nodes
+            times = 2 if op == "all_reduce" else 1
+            intra, inter = p.link("intra", op), p.link("inter", op)
+            across = (nodes - 1) * inter.alpha + (nodes - 1) * nbytes / n / inter.beta
+            inside = (k - 1) * intra.alpha + (k - 1) * nbytes / k / intra.beta
+            return times * (across + inside)
+        if op != "all_to_all":  # one member a node (or uneven): every step crosses nodes
             return p.link("inter", op).time(op, nbytes, n)
         # All-to-All: the bytes to peers of this node go over the intra links, the rest over the
         # inter ones, both at once; the steps are paid on the slower tier
@@ -163,24 +189,63 @@ class _Costing:
             i += 2 * a2a
         return {"F": f, "I": i}
 
-    def gather(self, b: BlockCost) -> float:
-        """ZeRO-3: the all-gather of one layer's weights."""
+    def _sharded(self, b: BlockCost):
+        """(elements, group ranks) of layer ``b``'s weights per sharding group: dense over dp,
+        expert over edp (this rank's experts)."""
         rec, g = self.rec, self.groups
+        return ((b.params_dense, g.dp), (b.params_expert / rec.ep, g.edp))
+
+    def gather(self, b: BlockCost) -> float:
+        """ZeRO-3: the all-gather of one layer's weights from the primary partition (over the whole
+        sharding group), int8 with an fp32 scale per block under qwZ, then dequantized."""
+        rec = self.rec
         if rec.zero_stage != 3 or b.shares_params_with is not None:
             return 0.0
-        t = self.coll("all_gather", b.params_dense * self.c_w, g.dp)
-        if rec.edp > 1:
-            t += self.coll("all_gather", b.params_expert / rec.ep * self.c_w, g.edp)
+        t = 0.0
+        for elems, ranks in self._sharded(b):
+            if len(ranks) <= 1:
+                continue
+            if rec.zero_qwz:  # the wire's int8 + scales, and a pass that dequantizes into the compute dtype
+                t += self.coll("all_gather", elems * (1 + 4 / rec.zero_quant_block), ranks)
+                t += elems * (1 + self.c_w) / self.profile.memory_bandwidth
+            else:
+                t += self.coll("all_gather", elems * self.c_w, ranks)
         return t
+
+    def gather_again(self, b: BlockCost) -> float:
+        """ZeRO-3: a later gather of the same weights before the step (the backward's; a later
+        micro-batch's forward): under hpZ from the secondary partition, inside the node, in the
+        compute dtype; else the primary gather again."""
+        rec = self.rec
+        if not rec.zero_hpz:
+            return self.gather(b)
+        if rec.zero_stage != 3 or b.shares_params_with is not None:
+            return 0.0
+        return sum(
+            self.coll("all_gather", elems * self.c_w, self.groups.local(ranks)) for elems, ranks in self._sharded(b)
+        )
 
     def reduce(self, b: BlockCost) -> float:
         """The gradient reduction of one layer: all-reduce (ZeRO-0) or reduce-scatter (1-3), dense
-        over dp and expert over edp."""
-        rec, g = self.rec, self.groups
-        op = "all_reduce" if rec.zero_stage == 0 else "reduce_scatter"
-        return self.coll(op, b.params_dense * self.c_w, g.dp) + self.coll(
-            op, b.params_expert / rec.ep * self.c_w, g.edp
-        )
+        over dp and expert over edp; under qgZ two quantized all-to-alls (inside the node, then
+        across nodes among the ranks at the same position) and the passes that quantize, and
+        dequantize and sum, the local gradient."""
+        rec = self.rec
+        if not rec.zero_qgz:
+            op = "all_reduce" if rec.zero_stage == 0 else "reduce_scatter"
+            return sum(self.coll(op, elems * self.c_w, ranks) for elems, ranks in self._sharded(b))
+        t = 0.0
+        for elems, ranks in self._sharded(b):
+            W = len(ranks)
+            if W <= 1:
+                continue
+            local, across = self.groups.local(ranks), self.groups.across(ranks)
+            k, n = len(local), len(across)
+            t += self.coll("all_to_all", k * qrow_bytes(elems / k, rec.zero_qgz_bits, rec.zero_quant_block), local)
+            t += self.coll("all_to_all", n * qrow_bytes(elems / W, rec.zero_qgz_bits, rec.zero_quant_block), across)
+            # quantize (read the compute dtype, write bits/8), dequantize and sum in fp32 (x2 passes)
+            t += elems * (self.c_w + rec.zero_qgz_bits / 8 + 8) / self.profile.memory_bandwidth
+        return t
 
     def post_step_gather(self, layers) -> float:
         rec, g = self.rec, self.groups
@@ -211,7 +276,8 @@ _TERMS: dict = {}
 def _layer_terms(cst: _Costing):
     rec = cst.rec
     key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.micro_rows, rec.zero_stage)
-    key += (rec.mixed_precision, cst.skew)
+    key += (rec.mixed_precision, cst.skew, rec.zero_hpz, rec.zero_qwz, rec.zero_qgz, rec.zero_qgz_bits)
+    key += (rec.zero_quant_block,)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is cst.costs and hit[1] is cst.profile:
         return hit[2]
@@ -221,6 +287,7 @@ def _layer_terms(cst: _Costing):
         [cst.moe_comm(b) for b in blocks],
         [cst.gather(b) for b in blocks],
         [cst.reduce(b) for b in blocks],
+        [cst.gather_again(b) for b in blocks],
     )
     if len(_TERMS) > 4096:
         _TERMS.clear()
