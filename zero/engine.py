@@ -102,7 +102,7 @@ from .admission import build_optimizer, check_elementwise, optimizer_factory, re
 from .comm import CommCounter
 from .gather import GatherHooks
 from .layout import Layout
-from .nvme import NvmeOffload, cut_pieces, offload_mode
+from .nvme import NvmeOffload, ShardPool, cut_pieces, offload_mode
 from .nvme import check_arguments as check_offload_arguments
 from .reduction import GradReduction
 from .stepping import OptimizerStep
@@ -257,11 +257,21 @@ class ZeroEngine(GatherHooks, GradReduction, OptimizerStep):
         self._nvme = None
         if plan is not None:  # opens and reserves the files; every rank raises if one cannot
             groups = [self.layout.dp_group, self.layout.pp_group]
+            shard_dtype = self.compute_dtype if stage == 3 else None  # stage 3: the shards in the files too
             self._nvme = NvmeOffload(
-                plan, self.optimizer, offload_dir, device=device, groups=groups, fused=self._fused_step
+                plan,
+                self.optimizer,
+                offload_dir,
+                device=device,
+                groups=groups,
+                fused=self._fused_step,
+                shard_dtype=shard_dtype,
             )
+            if stage == 3:
+                self._nvme.shards = ShardPool(self._nvme, self.flats, device)
             for f in self.flats:
                 f.master_sink = self._nvme.write_master
+                f.shard_source = self._nvme.shards
 
         self._load_values(sync_module_states)  # the first collective
         self.comm.end_setup()  # the counts per step start here

@@ -83,6 +83,7 @@ from .pieces import (  # noqa: F401
     cut_pieces,
     offload_mode,
 )
+from .shards import _SLOTS, ShardPool  # noqa: F401
 
 __all__ = [
     "ALIGN",
@@ -94,6 +95,7 @@ __all__ = [
     "Piece",
     "Plan",
     "Segment",
+    "ShardPool",
     "SubGroup",
     "check_arguments",
     "cut_pieces",
