@@ -62,7 +62,7 @@ class _Slot:
 class ShardPool:
     """The stage-3 shards of ``flats`` read from ``offload``'s files (see the module docstring)."""
 
-    def __init__(self, offload, flats, device, slots: int = _SLOTS):
+    def __init__(self, offload, flats, device, slots: int | None = None):
         self.offload = offload
         self.slot = offload.compute_slot
         self.dtype = offload.slots[self.slot][1]
@@ -79,7 +79,7 @@ class ShardPool:
         nbytes = max([_round_up((e - s) * self.isz, ALIGN) for _, s, e in self.layout.values()] + [0])
         elems = max([f.shard_numel for f in flats] + [0])
         pin = self.device.type == "cuda"
-        self.slots = [_Slot(nbytes, elems, self.dtype, self.device, pin) for _ in range(slots)]
+        self.slots = [_Slot(nbytes, elems, self.dtype, self.device, pin) for _ in range(slots or _SLOTS)]
         self.stats = {"reads": 0, "read_aheads": 0, "dropped": 0, "waited_gathers": 0}
 
     def _slot_of(self, f) -> _Slot | None:
