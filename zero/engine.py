@@ -141,7 +141,8 @@ class ZeroEngine(GatherHooks, GradReduction, OptimizerStep):
     CPU too, with the master weights and the optimizer's per-element state in files under
     ``offload_dir`` streamed through three host buffer sets of ``offload_sub_group_elems`` elements
     per state tensor (ZeRO-Infinity, ``zero.nvme``; ``optimizer.state`` then holds only per-tensor
-    scalars between steps, and the optimizer's tensors are sub-group pieces of the shards).
+    scalars between steps, and the optimizer's tensors are sub-group pieces of the shards); at
+    stage 3 the compute-dtype parameter shards are in those files too, read before each gather.
     ``mixed_precision``: ``"fp32"`` everywhere or ``"bf16"`` compute weights and gradients with fp32
     master weights and optimizer state (floating inputs of the model are cast to bf16). ``blocks``:
     the submodules gathered and reduced together (default ``default_blocks(model)``).
