@@ -139,12 +139,16 @@ def test_other_optimizers_state_goes_to_the_files(tmp_path, opt):
     assert slots == (["master", "sum"] if opt == "adagrad" else ["master", "square_avg", "momentum_buffer", "grad_avg"])
 
 
-def test_bf16_compute_weights_with_nvme_masters(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_compute_weights_with_nvme_masters(tmp_path, stage):
+    """Stage 2: the bf16 weights in memory; stage 3: the bf16 shards in the compute file, written
+    from the step's buffers (by the fused kernel itself, or a copy after the update)."""
     layout = Layout.single()
     for opt in ("adamw", "fused"):  # the fused kernel writes the bf16 copy itself
-        memory = nc.run(layout, 2, opt, mixed_precision="bf16")
-        files = nc.run(layout, 2, opt, "nvme", tmp_path, mixed_precision="bf16")
+        memory = nc.run(layout, stage, opt, mixed_precision="bf16")
+        files = nc.run(layout, stage, opt, "nvme", tmp_path, mixed_precision="bf16")
         assert nc.same(memory, files), opt
+        assert nc.shards_in_files(files["engine"]) == (stage == 3)
 
 
 def test_between_steps_the_state_is_in_the_files_only(tmp_path):
