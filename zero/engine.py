@@ -102,7 +102,7 @@ from .admission import build_optimizer, check_elementwise, optimizer_factory, re
 from .comm import CommCounter
 from .gather import GatherHooks
 from .layout import Layout
-from .nvme import NvmeOffload, cut_pieces, offload_mode
+from .nvme import NvmeOffload, ShardPool, cut_pieces, offload_mode
 from .nvme import check_arguments as check_offload_arguments
 from .reduction import GradReduction
 from .stepping import OptimizerStep
@@ -141,7 +141,8 @@ class ZeroEngine(GatherHooks, GradReduction, OptimizerStep):
     CPU too, with the master weights and the optimizer's per-element state in files under
     ``offload_dir`` streamed through three host buffer sets of ``offload_sub_group_elems`` elements
     per state tensor (ZeRO-Infinity, ``zero.nvme``; ``optimizer.state`` then holds only per-tensor
-    scalars between steps, and the optimizer's tensors are sub-group pieces of the shards).
+    scalars between steps, and the optimizer's tensors are sub-group pieces of the shards); at
+    stage 3 the compute-dtype parameter shards are in those files too, read before each gather.
     ``mixed_precision``: ``"fp32"`` everywhere or ``"bf16"`` compute weights and gradients with fp32
     master weights and optimizer state (floating inputs of the model are cast to bf16). ``blocks``:
     the submodules gathered and reduced together (default ``default_blocks(model)``).
@@ -257,11 +258,21 @@ class ZeroEngine(GatherHooks, GradReduction, OptimizerStep):
         self._nvme = None
         if plan is not None:  # opens and reserves the files; every rank raises if one cannot
             groups = [self.layout.dp_group, self.layout.pp_group]
+            shard_dtype = self.compute_dtype if stage == 3 else None  # stage 3: the shards in the files too
             self._nvme = NvmeOffload(
-                plan, self.optimizer, offload_dir, device=device, groups=groups, fused=self._fused_step
+                plan,
+                self.optimizer,
+                offload_dir,
+                device=device,
+                groups=groups,
+                fused=self._fused_step,
+                shard_dtype=shard_dtype,
             )
+            if stage == 3:
+                self._nvme.shards = ShardPool(self._nvme, self.flats, device)
             for f in self.flats:
                 f.master_sink = self._nvme.write_master
+                f.shard_source = self._nvme.shards
 
         self._load_values(sync_module_states)  # the first collective
         self.comm.end_setup()  # the counts per step start here

@@ -9,7 +9,9 @@ moments, so it never changes a norm or an update.
 Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
 - ``full_P``: the compute weights (compute dtype); every parameter's ``.data`` is a view into it.
   Under stage 3 its storage is resized to zero between uses and refilled by an all-gather.
-- ``shard_C``: stage 3's own slice of the compute weights, kept between uses.
+- ``shard_C``: stage 3's own slice of the compute weights, kept between uses (None with
+  ``offload="nvme"``: in the offload files, read before each gather through ``shard_source``, a
+  ``zero.nvme.shards.ShardPool``; then even one rank "gathers", from its file).
 - ``grad_full_P``: local gradients, summed over the micro-batches of a step (no communication in
   between); stages 2-3 free it once it has been reduce-scattered.
 - ``grad_shard_C``: the summed gradient of this rank's slice (stages 2-3).
@@ -107,6 +109,9 @@ class FlatGroup:
         self.device = self.params[0].device
         self.opt_device = opt_device
         self.offload = offload
+        # stage 3 with offload="nvme": the compute shard lives in the offload files (zero.nvme.shards)
+        self.params_in_files = stage == 3 and offload == "nvme"
+        self.shard_source = None  # the engine's ShardPool, when params_in_files
         self.written = [False] * len(self.params)  # which gradient slices hold this step's values
         self.grad_full_P: torch.Tensor | None = None
         self.grad_shard_C: torch.Tensor | None = None
@@ -134,7 +139,9 @@ class FlatGroup:
         self.separate_master = self.compute_dtype != torch.float32 or bool(self.offload)
         if self.sharded_params:
             self.full_P = None  # created (and freed) by load: the weights' gather target
-            self.shard_C = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            self.shard_C = None
+            if not self.params_in_files:  # else in the files, with the master (zero.nvme.shards)
+                self.shard_C = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
             own = self.shard_C
         else:
             self.full_P = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
@@ -160,7 +167,8 @@ class FlatGroup:
             # every replica starts from the same weights, as DDP and FSDP's sync_module_states do
             self.comm.broadcast(master_src_P, sync_src_global_rank, self.group, label="setup")
         if self.sharded_params:
-            self.shard_C.copy_(master_src_P[self.lo : self.hi])
+            if self.shard_C is not None:  # else master_sink writes the compute shard too
+                self.shard_C.copy_(master_src_P[self.lo : self.hi])
             self.full_P = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
         else:
             self.full_P.copy_(master_src_P)
@@ -197,7 +205,7 @@ class FlatGroup:
     # ----- stage 3: gather and free -------------------------------------------------------------
     @property
     def sharded_params(self) -> bool:
-        return self.stage == 3 and self.world > 1
+        return self.stage == 3 and (self.world > 1 or self.params_in_files)
 
     def is_gathered(self) -> bool:
         return not self.sharded_params or _is_allocated(self.full_P)
@@ -218,14 +226,19 @@ class FlatGroup:
             return
         # the secondary serves a backward: a forward without autograd (evaluation) leaves none behind
         keep = (self._keep_secondary,) if self.hpz and torch.is_grad_enabled() else ()
-        if self.zpp.qwz:
-            pending = quantized_all_gather(
-                self.full_P, self.shard_C, self.group, self.zpp.block, self.comm, "param_gather"
-            )
+        shard = self.shard_C
+        if self.shard_source is not None:  # read from the offload files, held until the gather is done
+            shard = self.shard_source.acquire(self)
+            keep += (lambda: self.shard_source.release(self),)
+        if self.world == 1:  # offload="nvme" alone: the "gather" is the read, as the weights were
+            self.full_P.copy_(shard)
+            self.gather_handle = Pending(None, *keep)
+        elif self.zpp.qwz:
+            pending = quantized_all_gather(self.full_P, shard, self.group, self.zpp.block, self.comm, "param_gather")
             pending.then.extend(keep)
             self.gather_handle = pending
         else:
-            work = self.comm.all_gather(self.full_P, self.shard_C, self.group, label="param_gather", async_op=True)
+            work = self.comm.all_gather(self.full_P, shard, self.group, label="param_gather", async_op=True)
             self.gather_handle = Pending(work, *keep)
 
     def _keep_secondary(self) -> None:

@@ -20,13 +20,15 @@ from .units import Unit
 
 # stage 3 holds the block that computes plus the one being prefetched, never more
 _MAX_GATHERED = 2
+# offload="nvme": the shards read from the files ahead of the block being gathered (zero.nvme.shards)
+_READ_AHEAD = 2
 
 
 class GatherHooks:
     """Mixed into ``ZeroEngine``: its forward hooks and stage-3 gathering. Owns ``gather_stats``,
     ``_fwd_order``, ``_prev_fwd_order`` and ``_hooks``; reads the engine's ``units``, ``root``,
-    ``stage``, ``keep_gathered``, ``prefetch`` and ``compute_dtype``; a block's backward starts
-    with ``_open_backward`` (``zero.reduction``)."""
+    ``stage``, ``keep_gathered``, ``prefetch``, ``compute_dtype`` and ``_nvme`` (its shard pool);
+    a block's backward starts with ``_open_backward`` (``zero.reduction``)."""
 
     def _init_forward(self, entries: list[nn.Module]) -> None:
         # instrumentation: stage 3 gathers and the most blocks (root excluded) gathered at once
@@ -69,6 +71,8 @@ class GatherHooks:
             if not in_backward():
                 self._fwd_order.append(unit)
             if self.stage == 3:
+                if not in_backward():
+                    self._read_ahead(unit, +1)
                 self._gather(unit)
                 if not in_backward():
                     self._prefetch(self._neighbour(unit, +1))
@@ -96,6 +100,7 @@ class GatherHooks:
     def _pre_backward(self, unit: Unit) -> None:
         self._open_backward()
         if self.stage == 3:
+            self._read_ahead(unit, -1)
             self._gather(unit)
             self._prefetch(self._neighbour(unit, -1))
 
@@ -135,6 +140,21 @@ class GatherHooks:
             self._note_gathered()
             for f in unit.flats:
                 f.wait_gather()
+
+    def _read_ahead(self, unit: Unit, direction: int) -> None:
+        """offload="nvme": start reading the shards of ``unit`` and of the ``_READ_AHEAD`` blocks
+        expected after it from the offload files (``zero.nvme.shards``), so that their reads overlap
+        this block's gather and compute."""
+        pool = self._nvme.shards if self._nvme is not None else None
+        if pool is None:
+            return
+        units = [unit]
+        for _ in range(_READ_AHEAD):
+            nxt = self._neighbour(units[-1], direction)
+            if nxt is None:
+                break
+            units.append(nxt)
+        pool.read_ahead([f for u in units for f in u.flats])
 
     def _prefetch(self, unit: Unit | None) -> None:
         if unit is None or not self.prefetch or not unit.has_sharded_params() or unit.is_gathered():

@@ -7,11 +7,16 @@ Per parameter, with compute bytes c (2 for bf16, 4 for fp32) and W ranks in its 
     gradients  c (stages 0-1)      c / W (stages 2-3)
     optimizer  (m + 8) (stage 0)   (m + 8) / W (stages 1-3)   -- Adam moments 8 bytes; the fp32
                master copy m = 4 when it differs from the compute weights (bf16, or offload), else 0
-With offload the optimizer bytes live in host memory instead. bf16 + Adam is the seeds' 16 bytes per
-parameter: a 7B model on 8 ranks costs 112 GB per rank at stage 0, 38.5 at 1, 26.25 at 2, 14 at 3.
+With offload the optimizer bytes live in host memory instead; with ``offload="nvme"`` they live
+in the offload files (``files_total``), and so do stage 3's weights (the compute-dtype shard: in the
+master file itself when fp32, else c / W more bytes in the files), which then take no device
+memory between uses (the host holds ``zero.nvme``'s fixed buffers, which are not counted here). bf16
++ Adam is the seeds' 16 bytes per parameter: a 7B model on 8 ranks costs 112 GB per rank at stage
+0, 38.5 at 1, 26.25 at 2, 14 at 3.
 
     python -m zero.memory --params 7e9 --dp 8            # the table for stages 0-3
     python -m zero.memory --params 1e9 --expert-params 6e9 --dp 8 --ep 4 --stage 3 --offload
+    python -m zero.memory --params 7e9 --dp 8 --stage 3 --nvme
 """
 
 from __future__ import annotations
@@ -38,10 +43,14 @@ def count_params(model: nn.Module, layout: Layout | None = None) -> dict[str, in
     return {"dense": dense, "expert": expert * ep}
 
 
-def _totals(out: dict) -> dict:
+def _totals(out: dict, files: float = 0) -> dict:
     out["device_total"] = sum(out[k][f] for k in KINDS for f in ("params", "grads", "optimizer"))
     out["host_total"] = sum(out[k]["optimizer_host"] for k in KINDS)
+    out["files_total"] = files  # offload="nvme": bytes in the offload files
     return out
+
+
+_OFFLOADS = {False: "none", True: "cpu", "none": "none", "cpu": "cpu", "nvme": "nvme"}
 
 
 def predict_memory(
@@ -51,7 +60,7 @@ def predict_memory(
     ep: int = 1,
     stage: int = 0,
     mixed_precision: str = "bf16",
-    offload: bool = False,
+    offload: bool | str = False,
     layout: Layout | None = None,
 ):
     """Per-rank bytes of weights, gradients and optimizer state, dense and expert separately.
@@ -61,6 +70,7 @@ def predict_memory(
     Under pipeline parallelism each stage's ranks hold that stage's parameters only: pass the
     stage's module (what a pipeline rank holds), or a list with one count or dict per stage, which
     gives a list of per-rank results, one per stage (dp and ep are those inside each stage).
+    ``offload``: ``"none"`` (False), ``"cpu"`` (True) or ``"nvme"``, as ``ZeroEngine`` takes it.
     """
     if isinstance(params, (list, tuple)):
         if not params:
@@ -71,6 +81,10 @@ def predict_memory(
             )
             for p in params
         ]
+    if isinstance(offload, bool) or offload in ("none", "cpu", "nvme"):
+        mode = _OFFLOADS[offload]
+    else:
+        raise ValueError(f"offload={offload!r} must be one of ('none', 'cpu', 'nvme') (or False/True)")
     if layout is not None:
         dp, ep = layout.dp, layout.ep
     if isinstance(params, nn.Module):
@@ -87,19 +101,22 @@ def predict_memory(
         if k not in KINDS or params[k] < 0:
             raise ValueError(f"params[{k!r}]={params[k]!r}: expected keys {KINDS} with counts >= 0")
     c = _BYTES[mixed_precision]
-    master = 4 if (mixed_precision != "fp32" or offload) else 0
-    out = {}
+    master = 4 if (mixed_precision != "fp32" or mode != "none") else 0
+    out, files = {}, 0.0
     for kind in KINDS:
         n = params.get(kind, 0) / (ep if kind == "expert" else 1)  # held by this rank
         W = dp // ep if kind == "expert" else dp
         opt = n * (master + 8) / (1 if stage == 0 else W)
+        weights = n * c / (W if stage == 3 else 1)
+        if mode == "nvme":  # the optimizer state, and stage 3's shards, in the files
+            files += opt + (weights if stage == 3 and c != 4 else 0.0)  # fp32: the master is the shard
         out[kind] = {
-            "params": n * c / (W if stage == 3 else 1),
+            "params": 0.0 if mode == "nvme" and stage == 3 else weights,
             "grads": n * c / (W if stage >= 2 else 1),
-            "optimizer": 0.0 if offload else opt,
-            "optimizer_host": opt if offload else 0.0,
+            "optimizer": opt if mode == "none" else 0.0,
+            "optimizer_host": opt if mode == "cpu" else 0.0,
         }
-    return _totals(out)
+    return _totals(out, files)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -124,7 +141,7 @@ def measure_memory(engine) -> dict:
 
     for f in engine.flats:
         if f.sharded_params:
-            add(f.kind, "params", f.shard_C)
+            add(f.kind, "params", f.shard_C)  # None under offload="nvme": in the files
             # hpZ's node-local slice lives from a block's first gather to the step, as gathers do
             gathered += _nbytes(f.full_P) + _nbytes(getattr(f, "secondary", None))
         else:
@@ -140,7 +157,8 @@ def measure_memory(engine) -> dict:
             for v in engine.optimizer.state.get(t, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     add(f.kind, field, v)
-    out = _totals(out)
+    nvme = getattr(engine, "_nvme", None)
+    out = _totals(out, 0 if nvme is None else nvme.need)
     out["gathered"] = gathered
     return out
 
@@ -172,7 +190,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--mixed-precision", default="bf16", choices=tuple(_BYTES))
-    ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--offload", action="store_true", help="optimizer state and update on the host")
+    ap.add_argument("--nvme", action="store_true", help="optimizer state (and stage 3's weights) in files")
     ap.add_argument(
         "--pp",
         type=int,
@@ -183,6 +202,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.pp < 1:
         ap.error(f"--pp={a.pp} must be >= 1")
+    if a.nvme and a.offload:
+        ap.error("--offload and --nvme: give one (--nvme keeps the optimizer state in files, not on the host)")
     rows = []
     for s in a.stage:
         m = predict_memory(
@@ -191,12 +212,12 @@ def main(argv=None) -> None:
             ep=a.ep,
             stage=s,
             mixed_precision=a.mixed_precision,
-            offload=a.offload,
+            offload="nvme" if a.nvme else a.offload,
         )
         rows.append((str(s), m))
     print(
         f"params={a.params:g} expert_params={a.expert_params:g} pp={a.pp} dp={a.dp} ep={a.ep} {a.mixed_precision}"
-        f"{' offload' if a.offload else ''}, Adam; per rank of a stage"
+        f"{' nvme' if a.nvme else ' offload' if a.offload else ''}, Adam; per rank of a stage"
     )
     print(format_table(rows))
 

@@ -166,7 +166,8 @@ class ParallelConfig:
     pp_layers: list[int] | None = None  # layers of each stage in order (sum n_layers + 2); null: as even as possible
     zero_stage: int = 0  # 0 replicated | 1 shard optimizer state | 2 + gradients | 3 + parameters
     # none | cpu (ZeRO-Offload: optimizer state, fp32 masters and the step on the CPU) | nvme
-    # (ZeRO-Infinity: the step on the CPU, masters and state in files under offload_dir); stages 1-3.
+    # (ZeRO-Infinity: the step on the CPU, masters and state in files under offload_dir, and at
+    # stage 3 the parameter shards too); stages 1-3.
     # false/true (the old boolean key) mean none/cpu
     zero_offload: str = "none"
     offload_dir: str | None = None  # nvme only, and required there: a directory on a local fast disk

@@ -119,11 +119,13 @@ def test_two_ranks_nvme_like_memory_and_resumed_across(tmp_path, stdlib):
 @pytest.mark.distributed
 def test_two_ranks_nvme_like_memory_with_pipeline_stages_and_with_ep(tmp_path, stdlib):
     # pp2 (each stage's engine has its own files) and ep2 inside dp=2 (expert slices over edp=1,
-    # dense over dp=2), each with the state in files and in memory: the same run bit for bit
+    # dense over dp=2), both at stage 3 (the parameter shards in the files too, the expert ones
+    # read and "gathered" by their one rank), each with the state in files and in memory: the same
+    # run bit for bit (ep2 at stage 2 with nvme: tests/zero/test_nvme.py)
     runs = []
     for name, layout in (
         ("pp2", ["parallel=pp2", "parallel.zero_stage=3"]),
-        ("ep2", ["parallel=ep2", "parallel.zero_stage=2"]),
+        ("ep2", ["parallel=ep2", "parallel.zero_stage=3"]),
     ):
         for where, extra in (("mem", []), ("nvme", _nvme(tmp_path, f"offload_{name}"))):
             runs.append(([*BASE, *layout, *extra], tmp_path / f"{name}_{where}"))

@@ -92,6 +92,18 @@ def same(a: dict, b: dict) -> bool:
     return a["losses"] == b["losses"] and all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
 
 
+def shards_in_files(engine: ZeroEngine) -> bool:
+    """Stage 3 under NVMe offload: no flat holds its parameter shard in memory, and the shards were
+    read from the files (through the engine's pool of slots) for the gathers."""
+    pool = engine._nvme.shards
+    return (
+        all(f.shard_C is None and f.params_in_files for f in engine.flats)
+        and pool is not None
+        and pool.stats["reads"] > 0
+        and all(s.flat is None for s in pool.slots)  # nothing held between steps
+    )
+
+
 # ----- 2 gloo ranks -------------------------------------------------------------------------------
 def ep2_rank(rank, world, offload_root, ckpt_root):
     """dp=2 x ep=2: every optimizer and stage 1-3 in memory and in files (bit for bit), a resume of
@@ -106,6 +118,21 @@ def ep2_rank(rank, world, offload_root, ckpt_root):
             a = run(layout, stage, opt)
             b = run(layout, stage, opt, "nvme", mine)
             out[("same", opt, stage)] = same(a, b)
+            if stage == 3:  # the parameter shards were in the files, read through the pool
+                out[("shards in files", opt)] = shards_in_files(b["engine"])
+    # stage 3 with a pool of one slot: a unit's dense and expert shards cannot both be held, so
+    # the first gather is completed before the second shard is read (the all-gathers are async)
+    from zero.nvme import shards as nvme_shards
+
+    slots, nvme_shards._SLOTS = nvme_shards._SLOTS, 1
+    try:
+        for mp in ("fp32", "bf16"):
+            a = run(layout, 3, "adamw", mixed_precision=mp)
+            b = run(layout, 3, "adamw", "nvme", mine, mixed_precision=mp)
+            pool = b["engine"]._nvme.shards
+            out[("one slot", mp)] = same(a, b) and len(pool.slots) == 1 and pool.stats["waited_gathers"] > 0
+    finally:
+        nvme_shards._SLOTS = slots
     # resume: NVMe saves after 4 steps, memory resumes (and the other way), against 10 uninterrupted
     for src, dst in (("nvme", "none"), ("none", "nvme")):
         full = run(layout, 3, "adamw", src, mine)
@@ -174,6 +201,8 @@ def pp2_rank(rank, world, offload_dir):
             engine.step()
             losses.append([v.item() for v in out])
         results[opt, offload] = {"losses": losses, "weights": engine.full_parameters()}
+        if offload == "nvme" and not shards_in_files(engine):
+            return False
     same = []
     for opt in ("adamw", "sgd"):
         a, b = results[opt, "none"], results[opt, "nvme"]
@@ -239,6 +268,72 @@ def memory_script(offload: str, offload_dir: str, width: int, sub_group: int) ->
     }
 
 
+class DeepNet(nn.Module):
+    """Many narrow layers: stage 3's shards, one unit per layer, many times the pool's few slots."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def shard_memory_script(offload: str, offload_dir: str, width: int, depth: int, sub_group: int) -> dict:
+    """Resident memory that stage 3 training of ``DeepNet(width, depth)`` leaves behind, from
+    before the model was built to after three AdamW steps, and its peak over the steps: run with
+    ``MALLOC_MMAP_THRESHOLD_`` fixed, so that a freed tensor's pages return to the system."""
+    import gc
+
+    torch.set_num_threads(1)
+    extra = dict(offload_dir=offload_dir, offload_sub_group_elems=sub_group) if offload == "nvme" else {}
+
+    def engine_of(net):
+        return ZeroEngine(
+            net, None, stage=3, offload=offload, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-3), **extra
+        )
+
+    # the same code on a small net first: what torch's first use of each path leaves resident
+    # (code pages, thread stacks, allocator arenas) is not the state's
+    warm = engine_of(DeepNet(64, 2))
+    for _ in range(2):
+        warm.backward(warm(torch.randn(4, 64)).pow(2).mean())
+        warm.step()
+    del warm
+    gc.collect()
+    torch.manual_seed(0)
+    x = torch.randn(4, width)
+    before = _status("VmRSS")
+    engine = engine_of(DeepNet(width, depth))
+    gc.collect()
+    _reset_peak()
+    for _ in range(3):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    peak = _status("VmHWM")
+    gc.collect()
+    held = _status("VmRSS") - before
+    buffers = 0
+    if engine._nvme is not None:  # bytes: the step's buffer sets and the shard pool's slots
+        buffers = sum(sum(r.numel() for r in s.raw) + s.grad.numel() * 4 for s in engine._nvme.sets)
+        buffers += sum(s.raw.numel() + _nbytes(s.shard) for s in engine._nvme.shards.slots)
+    return {
+        "shard_bytes": sum(f.shard_numel * 4 for f in engine.flats),
+        # stage 3 keeps each flat's reduced gradient between steps (in memory either way)
+        "grad_bytes": sum(_nbytes(f.grad_shard_C) for f in engine.flats),
+        "buffer_bytes": buffers,
+        "held_bytes": held,
+        "peak_bytes": peak - before,
+        "files_left": os.listdir(offload_dir) if offload_dir else [],
+    }
+
+
 def kill_script(offload_dir: str, root: str, marker: str) -> None:
     """Train under NVMe offload, save at step 2, then stop forever inside step 3's update of its
     second sub-group (after the first was written back), telling ``marker``: the test kills -9."""
@@ -269,6 +364,8 @@ if __name__ == "__main__":
     what, *args = sys.argv[1:]
     if what == "memory":
         print(json.dumps(memory_script(args[0], args[1], int(args[2]), int(args[3]))))
+    elif what == "shards":
+        print(json.dumps(shard_memory_script(args[0], args[1], *map(int, args[2:5]))))
     elif what == "kill":
         kill_script(*args)
         os.kill(os.getpid(), signal.SIGKILL)  # never reached: the test kills first

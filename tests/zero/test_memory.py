@@ -99,6 +99,37 @@ def test_expert_params_shard_over_edp():
     )
 
 
+@pytest.mark.parametrize("mp", ["fp32", "bf16"])
+def test_nvme_offload_predicted_equals_measured(tmp_path, mp):
+    """``offload="nvme"``: the optimizer state off the device and out of host memory (in the files),
+    and at stage 3 the parameter shards too; the files' bytes as predicted, up to each segment's
+    alignment to 4096 elements."""
+    from zero.memory import measure_memory
+
+    x = torch.randn(2, 3, 16)
+    for stage in (0, 1, 2, 3):
+        net = sharded_net(Layout.single())
+        counts = count_params(net)
+        engine = ZeroEngine(net, None, stage=stage, mixed_precision=mp, offload="nvme", offload_dir=tmp_path)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        measured = measure_memory(engine)
+        predicted = predict_memory(counts, stage=stage, mixed_precision=mp, offload="nvme")
+        for kind in KINDS:
+            for field in FIELDS:
+                m, p = measured[kind][field], predicted[kind][field]
+                assert abs(m - p) <= REL * p, (stage, kind, field, m, p)
+        assert all(predicted[k]["params"] == 0 for k in KINDS) == (stage == 3)
+        assert predicted["host_total"] == 0
+        off = engine._nvme
+        slack = len(off.plan.segments) * 4096 * sum(dt.itemsize for _, dt in off.slots)
+        assert predicted["files_total"] <= measured["files_total"] <= predicted["files_total"] + slack, stage
+        # stage 3 in bf16: a compute file beside the master; in fp32 the master is the shard
+        assert ("compute" in [k for k, _ in off.slots]) == (stage == 3 and mp == "bf16")
+    with pytest.raises(ValueError, match="offload='disk' must be one of"):
+        predict_memory(1e9, offload="disk")
+
+
 def test_count_params_scales_experts_by_ep():
     net = TinyNet(None)
     counts = count_params(net)

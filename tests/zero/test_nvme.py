@@ -1,6 +1,7 @@
 """NVMe offload (``offload="nvme"``, zero.nvme): the same training bit for bit as with the state in
-memory, for AdamW, SGD with momentum and the fused default, under stages 0-3, with expert and
-pipeline parallelism; resident memory bounded by the buffers; checkpoints that resume either way;
+memory, for AdamW, SGD with momentum and the fused default, under stages 0-3 (stage 3's parameter
+shards in the files too), with expert and pipeline parallelism; resident memory bounded by the
+buffers; checkpoints that resume either way;
 a bad ``offload_dir`` refused by name; the last checkpoint intact after a kill -9 mid-update.
 
 Bit for bit: an elementwise optimizer computes each element alike however the shard is cut into
@@ -43,6 +44,92 @@ def test_nvme_trains_bit_for_bit_like_memory(tmp_path, opt, stage):
     assert os.listdir(tmp_path) == []  # the files have no names: nothing to leave behind
 
 
+@pytest.mark.parametrize("mixed_precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_stage3_parameter_shards_are_in_the_files_bit_for_bit(tmp_path, opt, mixed_precision):
+    """Stage 3: no flat keeps its compute shard in memory; each gather reads it from the files (the
+    master file in fp32, a compute file in bf16, written by the step from its own buffers), and the
+    10 steps are those of stage 3 in memory bit for bit."""
+    from zero.memory import measure_memory
+
+    layout = Layout.single()
+    memory = nc.run(layout, 3, opt, mixed_precision=mixed_precision)
+    files = nc.run(layout, 3, opt, "nvme", tmp_path, mixed_precision=mixed_precision)
+    engine = files["engine"]
+    assert nc.same(memory, files)
+    assert nc.shards_in_files(engine)
+    want = ["master", *(["exp_avg", "exp_avg_sq"] if opt == "adamw" else ["momentum_buffer"])]
+    assert [k for k, _ in engine._nvme.slots] == want + (["compute"] if mixed_precision == "bf16" else [])
+    assert all(measure_memory(engine)[k]["params"] == 0 for k in ("dense", "expert"))
+    assert measure_memory(memory["engine"])["dense"]["params"] > 0  # the measure sees shards in memory
+    # every gather of every step read its shard: forward and backward, 2 micro-batches, 10 steps
+    blocks = sum(1 for u in engine.units if u.flats)
+    assert engine._nvme.shards.stats["reads"] >= nc.STEPS * 2 * 2 * blocks - 2 * nc.STEPS
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_a_pool_of_fewer_slots_than_the_gathers_want_trains_the_same(tmp_path, monkeypatch, slots):
+    """With fewer slots than the gathers in flight and the reads ahead want, a read ahead nobody
+    took is dropped, or a gather in flight completed early, to free one: the same training bit for
+    bit. After each step the last blocks' shards are read ahead (the wrong ones for the next
+    forward, which starts at the first block), so the forward must drop them."""
+    from zero.nvme import shards
+
+    monkeypatch.setattr(shards, "_SLOTS", slots)
+    layout = Layout.single()
+    memory = nc.run(layout, 3, "adamw", mixed_precision="bf16")
+    engine = nc.build(layout, 3, "adamw", "nvme", tmp_path, mixed_precision="bf16")
+    pool, step = engine._nvme.shards, engine.step
+
+    def step_then_read_the_last_blocks(*a, **k):
+        norm = step(*a, **k)
+        pool.read_ahead(list(reversed(engine.flats)))
+        return norm
+
+    engine.step = step_then_read_the_last_blocks
+    losses = nc.train(engine, 0, nc.STEPS)
+    assert nc.same(memory, {"losses": losses, "weights": engine.full_parameters()})
+    assert len(pool.slots) == slots and pool.stats["dropped"] > 0, pool.stats
+    if slots == 1:  # a unit's dense and expert flats start their gathers together: one waits
+        assert pool.stats["waited_gathers"] > 0, pool.stats
+
+
+def test_a_shard_read_ahead_before_a_step_is_not_used_after_it(tmp_path):
+    """Shards read ahead (here: every flat's, just before the step) hold the old weights: the step
+    drops them, and the next forward reads the new ones."""
+    layout = Layout.single()
+    memory = nc.run(layout, 3, "sgd", mixed_precision="bf16")
+    engine = nc.build(layout, 3, "sgd", "nvme", tmp_path, mixed_precision="bf16")
+    pool = engine._nvme.shards
+    step = engine.step
+
+    def read_everything_then_step(*a, **k):
+        pool.read_ahead(engine.flats)
+        assert any(s.flat is not None for s in pool.slots)
+        return step(*a, **k)
+
+    engine.step = read_everything_then_step
+    losses = nc.train(engine, 0, nc.STEPS)
+    assert nc.same(memory, {"losses": losses, "weights": engine.full_parameters()})
+
+
+@pytest.mark.parametrize("src", ["none", "nvme"])
+def test_a_bf16_stage3_checkpoint_resumes_into_nvme_shards(tmp_path, src):
+    """Loaded into stage 3 under NVMe offload, the master weights go to the files item by item and
+    the bf16 compute shards are rewritten from them through the step's buffers: the resumed run is
+    the uninterrupted one."""
+    layout = Layout.single()
+    full = nc.run(layout, 3, "adamw", mixed_precision="bf16")
+    engine = nc.build(layout, 3, "adamw", src, tmp_path / "a", mixed_precision="bf16")
+    nc.train(engine, 0, 4)
+    path = zc.save(engine, tmp_path / "ckpt") or tmp_path / "ckpt"
+    resumed = nc.build(layout, 3, "adamw", "nvme", tmp_path / "b", mixed_precision="bf16")
+    zc.load(resumed, path)
+    losses = full["losses"][:4] + nc.train(resumed, 4, nc.STEPS)
+    assert nc.same(full, {"losses": losses, "weights": resumed.full_parameters()})
+    assert nc.shards_in_files(resumed)
+
+
 @pytest.mark.parametrize("opt", ["adagrad", "rmsprop"])
 def test_other_optimizers_state_goes_to_the_files(tmp_path, opt):
     layout = Layout.single()
@@ -52,12 +139,16 @@ def test_other_optimizers_state_goes_to_the_files(tmp_path, opt):
     assert slots == (["master", "sum"] if opt == "adagrad" else ["master", "square_avg", "momentum_buffer", "grad_avg"])
 
 
-def test_bf16_compute_weights_with_nvme_masters(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_compute_weights_with_nvme_masters(tmp_path, stage):
+    """Stage 2: the bf16 weights in memory; stage 3: the bf16 shards in the compute file, written
+    from the step's buffers (by the fused kernel itself, or a copy after the update)."""
     layout = Layout.single()
     for opt in ("adamw", "fused"):  # the fused kernel writes the bf16 copy itself
-        memory = nc.run(layout, 2, opt, mixed_precision="bf16")
-        files = nc.run(layout, 2, opt, "nvme", tmp_path, mixed_precision="bf16")
+        memory = nc.run(layout, stage, opt, mixed_precision="bf16")
+        files = nc.run(layout, stage, opt, "nvme", tmp_path, mixed_precision="bf16")
         assert nc.same(memory, files), opt
+        assert nc.shards_in_files(files["engine"]) == (stage == 3)
 
 
 def test_between_steps_the_state_is_in_the_files_only(tmp_path):
@@ -215,8 +306,8 @@ def test_buffered_io_where_o_direct_is_not_available(tmp_path, monkeypatch):
     assert nc.same(memory, direct) and nc.same(memory, buffered)
 
 
-def _subprocess(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def _subprocess(*args, timeout=300, env=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "tests.support.nvme_cases", *map(str, args)],
         capture_output=True,
@@ -243,6 +334,31 @@ def test_resident_memory_is_bounded_by_the_buffers_not_the_state(tmp_path):
     assert files["state_bytes"] >= 10 * files["buffer_bytes"]
     assert files["step_peak_bytes"] < files["buffer_bytes"] + files["state_bytes"] // 4, files
     assert memory["step_peak_bytes"] > memory["state_bytes"] // 2, memory  # the moments, 2/3 of the state
+    assert files["files_left"] == []
+
+
+@pytest.mark.distributed  # a subprocess (mount, or a fresh interpreter)
+def test_stage3_shards_do_not_stay_resident(tmp_path):
+    """A fresh process: stage 3 training of a 32-layer net (32 MiB of fp32 shards, one unit per
+    layer) leaves resident, from before the model was built, the reduced gradients stage 3 keeps
+    between steps (32 MiB, in memory either way) plus about the buffers (the step's buffer sets and
+    the shard pool's four slots, 11 MiB; measured 1.5 MiB above them), not the shards; the same
+    training in memory leaves the weights and moments too (the measure does see them). At the peak
+    stage 3 holds two gradients (the last step's, the next one's being accumulated). Run with
+    glibc's mmap threshold fixed, so freed tensors leave the process; the margin is a quarter of the
+    shards."""
+    out = {}
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    for offload in ("nvme", "none"):
+        r = _subprocess("shards", offload, tmp_path, 512, 32, 65536, env=env)
+        assert r.returncode == 0, r.stderr
+        out[offload] = json.loads(r.stdout.strip().splitlines()[-1])
+    files, memory = out["nvme"], out["none"]
+    shards, margin = files["shard_bytes"], files["shard_bytes"] // 4
+    assert shards >= 2 * files["buffer_bytes"], files
+    assert files["held_bytes"] - files["grad_bytes"] < files["buffer_bytes"] + margin, files
+    assert files["peak_bytes"] - 2 * files["grad_bytes"] < files["buffer_bytes"] + margin, files
+    assert memory["held_bytes"] - memory["grad_bytes"] > shards, memory  # weights and moments: 3x the shards
     assert files["files_left"] == []
 
 

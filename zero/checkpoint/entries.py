@@ -103,7 +103,7 @@ def _entries(engine, rank: int, rng: bool, counted: set | None = None, in_files=
             # per (flat, param group) range, as the in-memory shard tensors are: one chunk per key
             for _, a, b in f.shard_ranges(f.group_bounds):
                 for s in f.metadata(a, b):
-                    for slot, (skey, _) in enumerate(offload.slots[1:], 1):
+                    for slot, (skey, _) in offload.state_slots():
                         key = f"{OPTIM}{skey}/{s.name}"
                         tensors[key] = in_files.add(key, slot, f, a + s.shard_range[0], a + s.shard_range[1])
                         chunks[key] = (_global_offset(s), math.prod(s.global_shape))

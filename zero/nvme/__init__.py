@@ -4,9 +4,9 @@ a ``ZeroEngine`` live in files, and each step streams them through a few host bu
     engine = ZeroEngine(model, layout, stage=3, offload="nvme", offload_dir="/local_nvme/offload",
                         offload_sub_group_elems=1 << 22)
 
-What lives where (per rank): the compute weights and gradients stay where the stage keeps them
-(stage 3: the rank's weight shard in the compute dtype on the device; stages 0-2 the full
-weights). The master weights of the rank's optimizer range and every per-element state tensor of
+What lives where (per rank): the gradients stay where the stage keeps them, and so do the
+compute weights of stages 0-2 (the full weights); stage 3's compute-dtype weight shards are in the
+files too (``shards``, below). The master weights of the rank's optimizer range and every per-element state tensor of
 the optimizer (AdamW's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``, ...) are files in
 ``offload_dir``, one per kind (``slots``: ``master`` first, then the state's keys); per-tensor
 scalars (``step``) stay in ``optimizer.state``. Between steps ``optimizer.state[t]`` holds only
@@ -28,10 +28,11 @@ state into buffer set (j + 1) % 3) and the write of sub-group j - 1 (from set (j
 I/O threads while the optimizer updates sub-group j in set j % 3: its pieces' ``.data`` and state
 point into the buffers, ``optimizer.param_groups`` holds only them for that call, and the updated
 master is copied into the compute weights. So the process's memory for the state is three buffer
-sets (``3 * (1 + slots + 1) * S`` elements: master, state, a gradient slot), whatever the model's
-size: nothing is mapped into memory (no mmap, whose touched pages would all stay resident), and
-with O_DIRECT nothing passes through the page cache either. The step returns once every write is
-done, so the files hold the new state before anyone reads them.
+sets (``3 * (1 + slots + 1) * S`` elements: master, state, a gradient slot; stage 3 in bf16 one
+compute slot more), plus at stage 3 the shard pool's slots, whatever the model's size: nothing is
+mapped into memory (no mmap, whose touched pages would all stay resident), and with O_DIRECT
+nothing passes through the page cache either. The step returns once every write is done, so the
+files hold the new state before anyone reads them.
 
 I/O: ``os.preadv``/``os.pwritev`` in a thread pool (the calls release the GIL), each request cut
 into ``_IO_CHUNK`` pieces so several are in flight (queue depth = threads). io_uring was
@@ -52,13 +53,25 @@ on kill -9, and a checkpoint never reads them after a restart. The space is rese
 full ``offload_dir`` stops every rank of the engine (one all-reduce of a flag agrees) with a message
 naming the directory, the bytes this rank needs and the bytes free.
 
-Not offloaded: stage 3's parameter shards (the compute-dtype slice each rank gathers from) stay on
-the device; they are 1/W of the weights, and the gathers (zero/gather.py) read them every
-micro-batch.
+Stage 3's parameter shards (``shards``): no flat keeps its compute-dtype shard in memory (on one
+rank too: the whole flat is its shard, "gathered" by a read). In fp32 the shard is the master
+weights' own range in the master file; in bf16 it is a ``compute`` file (a slot after the state's,
+same layout) that the step fills from its own buffer sets: each sub-group's new compute weights are
+copied into a buffer of the set being updated (by the fused kernel, or a copy after the update) and
+written back with the master and the state, so no copy of the weights sits in RAM. Before a block's
+gather the shards of its flats are read into a ``ShardPool`` of ``_SLOTS`` slots (one aligned host
+buffer of the largest flat's extent, one shard-sized tensor on the device each): the gather hooks
+read ahead the block about to be gathered and the two expected after it (forward order before a
+forward, reverse order before a backward), so the next blocks' reads overlap the current block's
+gather and compute; a slot is held from its gather's start to the gather's completion. A step and
+a checkpoint load drop every read-ahead (the files change). A checkpoint saves and loads the master
+weights (the shards' source) item by item, and after a load the bf16 shards are rewritten from the
+loaded masters through the step's buffers (``refresh_compute``).
 
 Modules: ``pieces`` (the engine's ``offload`` arguments, the file layout: segments, pieces,
 sub-groups), ``files`` (opening and reserving the files, O_DIRECT, raw aligned I/O, snapshots),
-``offload`` (``NvmeOffload``, the streamed step; ``FileEntries`` for ``zero.checkpoint``).
+``offload`` (``NvmeOffload``, the streamed step; ``FileEntries`` for ``zero.checkpoint``),
+``shards`` (``ShardPool``, stage 3's shards read for the gathers).
 """
 
 from __future__ import annotations
@@ -83,6 +96,7 @@ from .pieces import (  # noqa: F401
     cut_pieces,
     offload_mode,
 )
+from .shards import _SLOTS, ShardPool  # noqa: F401
 
 __all__ = [
     "ALIGN",
@@ -94,6 +108,7 @@ __all__ = [
     "Piece",
     "Plan",
     "Segment",
+    "ShardPool",
     "SubGroup",
     "check_arguments",
     "cut_pieces",

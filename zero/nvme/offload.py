@@ -51,14 +51,25 @@ class NvmeOffload(OffloadFiles):
     4096-element tensor, opens and reserves the files, and agrees with every rank of ``groups``
     (one all-reduce of a flag on ``device``) that each could, raising on all of them if not."""
 
-    def __init__(self, plan: Plan, optimizer, directory: Path, *, device, groups, fused: bool):
+    def __init__(self, plan: Plan, optimizer, directory: Path, *, device, groups, fused: bool, shard_dtype=None):
+        """``shard_dtype``: stage 3's compute dtype, whose parameter shards live in the files too
+        (``zero.nvme.shards``): in the master file itself when fp32, else in a ``compute`` file
+        beside it; None (stages 0-2): the compute weights stay in memory."""
         self.plan = plan
         self.optimizer = optimizer
         self.directory = Path(directory)
         self.fused = fused
         self.state_in_files = False  # the per-element state exists (after the first step)
         state_slots = self._state_slots()
+        self.n_state = len(state_slots)  # slots 1..n_state: the optimizer's per-element state
         self.slots = [("master", torch.float32)] + state_slots
+        # the slot stage 3's compute-dtype shards are read from (the gathers) and written to (the step)
+        self.compute_slot = None
+        if shard_dtype is not None:
+            self.compute_slot = 0 if shard_dtype == torch.float32 else len(self.slots)
+            if self.compute_slot:
+                self.slots.append(("compute", shard_dtype))
+        self.shards = None  # stage 3: the ShardPool the gathers read through (set by the engine)
         self.need = sum(plan.total * dt.itemsize for _, dt in self.slots)
         self.fds: list[int] = []
         self.direct = False
@@ -117,10 +128,14 @@ class NvmeOffload(OffloadFiles):
         for sg in self.plan.subgroups:
             for p in sg.pieces:
                 st = self.optimizer.state.get(p.tensor, {})
-                for k, (key, _) in enumerate(self.slots[1:], 1):
+                for k, (key, _) in self.state_slots():
                     value = st.pop(key)
                     self.write_range(k, p.off, value.reshape(-1))
         self.state_in_files = True
+
+    def state_slots(self) -> list[tuple[int, tuple[str, torch.dtype]]]:
+        """``(slot, (key, dtype))`` of each per-element state tensor of the optimizer."""
+        return list(enumerate(self.slots[1 : 1 + self.n_state], 1))
 
     def segment_of(self, f, a: int, b: int) -> int:
         """The file offset of flat ``f``'s coordinates ``[a, b)``, which lie inside one segment."""
@@ -135,6 +150,9 @@ class NvmeOffload(OffloadFiles):
         for seg in self.plan.segments:
             if seg.flat is f:
                 self.write_range(0, seg.off, values[seg.a - lo : seg.b - lo])
+                if self.compute_slot:  # stage 3's compute shard, as in memory: the weights in the compute dtype
+                    part = values[seg.a - lo : seg.b - lo].to(self.slots[self.compute_slot][1])
+                    self.write_range(self.compute_slot, seg.off, part)
 
     def read_master(self, f) -> torch.Tensor:
         """Flat ``f``'s master weights over its optimizer range (zero in the padding), in RAM."""
@@ -186,9 +204,13 @@ class NvmeOffload(OffloadFiles):
         """The optimizer over every sub-group (see the module docstring). ``zero_grads``: step with
         zero gradients and without touching the compute weights (the checkpoint's way of creating
         the optimizer's state at lr 0)."""
-        every = list(range(len(self.slots)))
-        reads = every if self.state_in_files else [0]
-        self._stream(reads, lambda sg, bs: self._update(sg, bs, grad_scale, zero_grads), write_slots=every)
+        if self.shards is not None:  # a shard read ahead before this step would be stale after it
+            self.shards.invalidate()
+        reads = list(range(1 + self.n_state)) if self.state_in_files else [0]
+        writes = list(range(1 + self.n_state))
+        if self.compute_slot and not zero_grads:  # the new compute shards, from the step's own buffers
+            writes.append(self.compute_slot)
+        self._stream(reads, lambda sg, bs: self._update(sg, bs, grad_scale, zero_grads), write_slots=writes)
         self.state_in_files = True
 
     def _update(self, sg: SubGroup, bs: _BufferSet, grad_scale: float, zero_grads: bool) -> None:
@@ -200,7 +222,7 @@ class NvmeOffload(OffloadFiles):
             t.data = bs.views[0][o : o + n]
             if self.state_in_files:
                 st = opt.state[t]
-                for k, (key, _) in enumerate(self.slots[1:], 1):
+                for k, (key, _) in self.state_slots():
                     st[key] = bs.views[k][o : o + n]
             opt_lo = f.opt_range[0]
             if zero_grads:
@@ -214,8 +236,15 @@ class NvmeOffload(OffloadFiles):
                     g.copy_(src)
                 if not self.fused and grad_scale != 1.0:
                     g.mul_(grad_scale)
-                own = f.own_compute[p.a - opt_lo : p.b - opt_lo]
-                if self.fused and own.device.type == "cpu":
+                if f.own_compute is not None:
+                    own = f.own_compute[p.a - opt_lo : p.b - opt_lo]
+                elif self.compute_slot:  # stage 3: the compute shard into its slot, written back with the rest
+                    own = bs.views[self.compute_slot][o : o + n]
+                else:
+                    own = None  # stage 3 in fp32: the compute shard is the master in the files
+                if own is None:
+                    pass
+                elif self.fused and own.device.type == "cpu":
                     copies[t] = own  # the kernel writes the compute weights in the same pass
                 else:
                     copy_after.append((own, t))
@@ -242,7 +271,7 @@ class NvmeOffload(OffloadFiles):
         for p in sg.pieces:
             o, n, t = p.off - sg.lo, p.n, p.tensor
             st = opt.state[t]
-            for k, (key, _) in enumerate(self.slots[1:], 1):
+            for k, (key, _) in self.state_slots():
                 value = st.pop(key, None)
                 if value is None:
                     raise RuntimeError(
@@ -262,14 +291,23 @@ class NvmeOffload(OffloadFiles):
             t.data = _poison(n)
 
     def refresh_compute(self) -> None:
-        """The compute weights from the master weights in the files (after a checkpoint load)."""
+        """The compute weights from the master weights in the files (after a checkpoint load): in
+        memory, or stage 3's compute shards in their file (streamed; nothing to do in fp32, where
+        the master is the shard)."""
+        if self.shards is not None:
+            self.shards.invalidate()
+        c = self.compute_slot
 
         def copy_out(sg, bs):
             for p in sg.pieces:
                 o, lo = p.off - sg.lo, p.flat.opt_range[0]
-                p.flat.own_compute[p.a - lo : p.b - lo].copy_(bs.views[0][o : o + p.n])
+                if p.flat.own_compute is not None:
+                    p.flat.own_compute[p.a - lo : p.b - lo].copy_(bs.views[0][o : o + p.n])
+                elif c:
+                    bs.views[c][o : o + p.n].copy_(bs.views[0][o : o + p.n])
 
-        self._stream([0], copy_out)
+        if c != 0:
+            self._stream([0], copy_out, write_slots=[c] if c else [])
 
     def nonfinite_count(self) -> int:
         """How many master weights are NaN or infinite."""
