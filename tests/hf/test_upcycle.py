@@ -152,8 +152,13 @@ def test_granular_upcycling_starts_as_the_dense_model_and_trains(family, G, E, k
     with torch.no_grad():
         ref = nnf.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     first = summary["train_losses"][0]
-    assert abs(first - ref) <= 1e-5 * ref, (first, ref)  # the trainer's step 0 is the dense model too
-    assert summary["train_losses"][-1] < first
+    # the trainer's step 0 is the dense model too: measured equal to the last bit here; 1e-6 is a few ulps of a
+    # loss ~5.5 (the random tiny model's loss is near ln 256 whatever its FFNs compute, so 1e-5 let a slice
+    # offset by one row pass)
+    assert abs(first - ref) <= 1e-6 * ref, (first, ref)
+    # it trains: 6 steps take ~0.4 nats off (measured, G=2 and 4); with optim.lr=0 the batches alone move the
+    # loss by ~0.01 either way (a plain last < first passed with lr=0)
+    assert summary["train_losses"][-1] < first - 0.1, summary["train_losses"]
 
 
 @pytest.mark.parametrize(
