@@ -21,10 +21,12 @@ best copies: softmax over the E, the G k' kept weights renormalised to sum to 1,
 each weigh ``p_c / (G sum_kept p)`` and each slice's total over the kept copies is 1/G; the
 ``route_scale = G`` makes that 1, and step 0 is the dense FFN (to fp32 rounding: the F-sum cut into
 G partial sums, the weights' softmax). What is exact is the function at step 0, for any router
-values with this tying; nothing keeps the tie afterwards, and a token may then take slices of
-different copies. Megatron-Core folds the scale into the expert weights instead (each of the three
-by ``G^(1/3)``, exact only for a homogeneous activation; SiLU is not), so the experts here are the
-dense slices bit for bit and the scale is the router's.
+values with this tying but those where two copies' logits tie (measure zero; top-k could then split
+a copy); nothing keeps the tie afterwards, and a token may then take slices of different copies.
+Megatron-Core folds the scale into the expert weights instead (each of the three by ``G^(1/3)``,
+exact only for a homogeneous activation; SiLU is not), so the experts here are the dense slices bit
+for bit and the scale is the router's; Mixtral and Qwen3-MoE carry no routing scale, so such a model
+does not export to them (``moe.hf.export_model`` names ``moe.route_scale``).
 """
 
 from __future__ import annotations
