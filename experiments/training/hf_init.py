@@ -9,8 +9,11 @@ choice is needed), and ``model.hf_family`` records the family, so the run's chec
 (``moe.aux_loss_coef``, ``moe.capacity_factor``, ... ``moe.hf.arch.TRAINING_MOE_FIELDS``).
 
 ``model.upcycle.num_experts=E`` (``model.upcycle.top_k=k``) with a dense Llama or Qwen3 checkpoint
-upcycles it (``moe.hf.upcycle``): every block MoE, each expert a copy of the block's FFN; the run
-is then the Mixtral / Qwen3-MoE model of that config (``model.hf_family``).
+upcycles it (``moe.hf.upcycle``): every block MoE, each expert a copy of the block's FFN, or with
+``model.upcycle.granularity=G`` a 1/G slice of it (E/G copies of the G slices, top-k a multiple of
+G, ``moe.route_scale=G``); the run is then the Mixtral / Qwen3-MoE model of that config
+(``model.hf_family``; with G > 1 ``export-hf`` refuses it, as neither family carries a routing
+scale).
 
 Refused, naming both values: an explicit override (a ``model.x=`` / ``moe.x=`` on the command
 line) whose value changes what the checkpoint's weights compute, and a byte-level run (data
@@ -95,7 +98,8 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
                 f"checkpoint; upcycling starts from a dense one ({sorted(MOE_OF)})"
             )
         dense = adapter.transformer_config(hf_cfg, max_seq_len=int(cfg.model.max_seq_len))
-        ckpt = upcycled_config(dense, upcycle.num_experts, upcycle.top_k, **training)
+        granularity = upcycle.get("granularity", 1)
+        ckpt = upcycled_config(dense, upcycle.num_experts, upcycle.top_k, granularity, **training)
         family = MOE_OF[family]
     else:
         ckpt = adapter.transformer_config(hf_cfg, max_seq_len=int(cfg.model.max_seq_len), **training)

@@ -92,10 +92,14 @@ def _schema_from(
 @dataclass
 class UpcycleConfig:
     """Sparse upcycling (``moe.hf.upcycle``): with ``model.init_from`` a dense Llama or Qwen3
-    checkpoint, every block becomes an MoE block of ``num_experts`` copies of its FFN."""
+    checkpoint, every block becomes an MoE block of ``num_experts`` copies of its FFN, or of
+    ``num_experts / granularity`` copies of its ``granularity`` slices."""
 
-    num_experts: int | None = None  # null: no upcycling
-    top_k: int = 2
+    num_experts: int | None = None  # null: no upcycling; all experts (with granularity G: copies x G)
+    top_k: int = 2  # experts per token (with granularity G: a multiple of G, each slice of top_k/G copies)
+    # G: split the dense FFN's width F into G slices of F/G, each an expert (fine-grained upcycling:
+    # moe.d_ff=F/G, moe.route_scale=G, router rows tied per copy so step 0 is the dense model); 1: copies
+    granularity: int = 1
 
 
 # the model group's keys that are the trainer's, not the architecture's: (name, type, default; a
@@ -106,7 +110,7 @@ MODEL_TRAINER_FIELDS = (
     ("init_from", str | None, None),
     # the model_type of that checkpoint (set from it, not by hand): what export-hf writes back
     ("hf_family", str | None, None),
-    # start from a dense init_from as an MoE model of this many copies of each FFN
+    # start from a dense init_from as an MoE model of copies (or, granularity > 1, slices) of each FFN
     ("upcycle", UpcycleConfig, UpcycleConfig),
 )
 # the model group: TransformerConfig without its `moe` field (the moe group is separate), plus
