@@ -82,8 +82,9 @@ def test_upcycled_model_starts_as_the_dense_one_and_trains(family, moe_family, t
     with torch.no_grad():
         ref = nnf.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     first = summary["train_losses"][0]
-    assert abs(first - ref) <= 1e-5 * ref, (first, ref)  # the loss the run optimises at step 0 is the dense one's
-    assert summary["train_losses"][-1] < first
+    # the loss the run optimises at step 0 is the dense one's (1e-6: a few ulps; see the granular test)
+    assert abs(first - ref) <= 1e-6 * ref, (first, ref)
+    assert summary["train_losses"][-1] < first - 0.1, summary["train_losses"]  # it trains (not the batches' noise)
     w = summary["weights"]["blocks.0.ffn.experts.w1"]
     assert not torch.equal(w[0], w[1]) or not torch.equal(w[0], w[2])  # the experts drift apart
 
