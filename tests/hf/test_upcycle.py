@@ -54,9 +54,33 @@ def _run(path, *extra):
     return [*SHORT, f"model.init_from={path}", "model.upcycle.num_experts=4", "model.upcycle.top_k=2", *extra]
 
 
+def _starts_as_the_dense_model_and_trains(hf, model, run, tmp_path, stdlib):
+    """The upcycled ``model``'s logits are the dense ``hf`` model's, the trainer's step-0 loss on
+    its first batch is the dense model's, and 6 steps of ``run`` train; the run's summary."""
+    from experiments.train import train
+
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = hf(ids).logits, model(ids)
+    assert ((b - a).norm() / a.norm()).item() <= RTOL
+
+    summary = train(cfg_of(*run), run_dir=tmp_path / "run", data=stdlib, keep_weights=True)
+    x, y = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)
+    with torch.no_grad():
+        ref = nnf.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    first = summary["train_losses"][0]
+    # the trainer's step 0 is the dense model too: measured equal to the last bit here; 1e-6 is a few ulps of a
+    # loss ~5.5 (the random tiny model's loss is near ln 256 whatever its FFNs compute, so 1e-5 let a slice
+    # offset by one row pass)
+    assert abs(first - ref) <= 1e-6 * ref, (first, ref)
+    # it trains: 6 steps take ~0.4 nats off (measured, G=2 and 4); with optim.lr=0 the batches alone move the
+    # loss by ~0.01 either way (a plain last < first passed with lr=0)
+    assert summary["train_losses"][-1] < first - 0.1, summary["train_losses"]
+    return summary
+
+
 @pytest.mark.parametrize("family,moe_family", [("llama", "mixtral"), ("qwen3", "qwen3_moe")])
 def test_upcycled_model_starts_as_the_dense_one_and_trains(family, moe_family, tmp_path, stdlib):
-    from experiments.train import train
     from experiments.training.build import build_model
     from experiments.training.hf_init import resolve_init_from
 
@@ -72,19 +96,7 @@ def test_upcycled_model_starts_as_the_dense_one_and_trains(family, moe_family, t
             want = dense[f"model.layers.{i}.mlp.{theirs}.weight"].detach().t()
             assert all(torch.equal(getattr(ex, ours)[e], want) for e in range(4)), (i, ours)
         assert block.ffn.router.weight.abs().sum() > 0  # the router is initialised, not zero
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = hf(ids).logits, model(ids)
-    assert ((b - a).norm() / a.norm()).item() <= RTOL
-
-    summary = train(cfg_of(*run), run_dir=tmp_path / "run", data=stdlib, keep_weights=True)
-    x, y = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)
-    with torch.no_grad():
-        ref = nnf.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
-    first = summary["train_losses"][0]
-    # the loss the run optimises at step 0 is the dense one's (1e-6: a few ulps; see the granular test)
-    assert abs(first - ref) <= 1e-6 * ref, (first, ref)
-    assert summary["train_losses"][-1] < first - 0.1, summary["train_losses"]  # it trains (not the batches' noise)
+    summary = _starts_as_the_dense_model_and_trains(hf, model, run, tmp_path, stdlib)
     w = summary["weights"]["blocks.0.ffn.experts.w1"]
     assert not torch.equal(w[0], w[1]) or not torch.equal(w[0], w[2])  # the experts drift apart
 
@@ -114,7 +126,6 @@ GRANULAR = [("llama", 2, 6, 4), ("qwen3", 4, 8, 4)]
 
 @pytest.mark.parametrize("family,G,E,k", GRANULAR)
 def test_granular_upcycling_starts_as_the_dense_model_and_trains(family, G, E, k, tmp_path, stdlib):
-    from experiments.train import train
     from experiments.training.build import build_model
     from experiments.training.hf_init import resolve_init_from
 
@@ -143,23 +154,7 @@ def test_granular_upcycling_starts_as_the_dense_model_and_trains(family, G, E, k
         rows = block.ffn.router.weight.detach().view(E // G, G, -1)
         assert torch.equal(rows, rows[:, :1].expand_as(rows)), b  # a copy's slices score alike
         assert not torch.equal(rows[0, 0], rows[1, 0]), b  # and copies do not
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = hf(ids).logits, model(ids)
-    assert ((b - a).norm() / a.norm()).item() <= RTOL
-
-    summary = train(cfg_of(*run), run_dir=tmp_path / "run", data=stdlib, keep_weights=True)
-    x, y = dataclasses.replace(stdlib, seed=0).get_batch("train", 0, 8, 32)
-    with torch.no_grad():
-        ref = nnf.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
-    first = summary["train_losses"][0]
-    # the trainer's step 0 is the dense model too: measured equal to the last bit here; 1e-6 is a few ulps of a
-    # loss ~5.5 (the random tiny model's loss is near ln 256 whatever its FFNs compute, so 1e-5 let a slice
-    # offset by one row pass)
-    assert abs(first - ref) <= 1e-6 * ref, (first, ref)
-    # it trains: 6 steps take ~0.4 nats off (measured, G=2 and 4); with optim.lr=0 the batches alone move the
-    # loss by ~0.01 either way (a plain last < first passed with lr=0)
-    assert summary["train_losses"][-1] < first - 0.1, summary["train_losses"]
+    _starts_as_the_dense_model_and_trains(hf, model, run, tmp_path, stdlib)
 
 
 @pytest.mark.parametrize(
