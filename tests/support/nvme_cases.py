@@ -260,10 +260,26 @@ def memory_script(offload: str, offload_dir: str, width: int, sub_group: int) ->
     if engine._nvme is not None:
         # bytes: the slot buffers are uint8, the gradient buffer fp32
         buffers = sum(sum(r.numel() for r in s.raw) + s.grad.numel() * 4 for s in engine._nvme.sets)
+    # a checkpoint saved from the state and loaded back into it: the rise of each
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        ck = zc.Checkpointer(engine, root)
+        before = _status("VmRSS")
+        _reset_peak()
+        path = ck.save(3)
+        save_rise = _status("VmHWM") - before
+        before = _status("VmRSS")
+        _reset_peak()
+        ck.load(path)
+        load_rise = _status("VmHWM") - before
+        ck.close()
     return {
         "state_bytes": params * 4 * 3,  # master + exp_avg + exp_avg_sq
         "buffer_bytes": buffers,
         "step_peak_bytes": rise,
+        "save_peak_bytes": save_rise,
+        "load_peak_bytes": load_rise,
         "files_left": os.listdir(offload_dir) if offload_dir else [],
     }
 
