@@ -57,7 +57,7 @@ PLAN_KEYS = {
     "top": int,
     "skew": float,
     "max_virtual": int,
-    "zeropp": lambda v: _parse_bool(v),
+    "zeropp": bool,  # parsed by _parse_bool (true/false), not bool()
 }
 # LayoutRecord field of each trainer key a user may hold fixed
 FIXED = {v: k for k, v in zplan.KEYS.items()}
@@ -92,9 +92,11 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
                     f"(e.g. plan.world=8 plan.cluster=h100_node)"
                 )
             try:
-                plan[key] = PLAN_KEYS[key](value)
+                kind = PLAN_KEYS[key]
+                plan[key] = _parse_bool(value) if kind is bool else kind(value)
             except ValueError:
-                raise ValueError(f"plan.{key}={value!r} is invalid: expected {PLAN_KEYS[key].__name__}") from None
+                want = "true or false" if PLAN_KEYS[key] is bool else PLAN_KEYS[key].__name__
+                raise ValueError(f"plan.{key}={value!r} is invalid: expected {want}") from None
         else:
             rest.append(a)
     return plan, rest

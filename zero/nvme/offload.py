@@ -242,11 +242,9 @@ class NvmeOffload(OffloadFiles):
                     own = bs.views[self.compute_slot][o : o + n]
                 else:
                     own = None  # stage 3 in fp32: the compute shard is the master in the files
-                if own is None:
-                    pass
-                elif self.fused and own.device.type == "cpu":
+                if own is not None and self.fused and own.device.type == "cpu":
                     copies[t] = own  # the kernel writes the compute weights in the same pass
-                else:
+                elif own is not None:
                     copy_after.append((own, t))
             t.grad = g
             by_group[p.group].append(t)
