@@ -70,9 +70,42 @@ def background_load(cores: int, seconds: float = 2.0) -> float:
     return max(0.0, cores / share - cores)
 
 
-def measure_device(device: str, quick: bool = False) -> dict:
-    """The rates of this device. Each timing is the best of its repeats: the rate of the device
-    itself, the share other work takes being ``background_load`` (measured apart)."""
+# a rank's typical work on one thread: a small model's forward and backward (matrix products,
+# elementwise passes, allocations, autograd); prints the median seconds of its rounds
+_REFERENCE = (
+    "import time, torch\n"
+    "torch.set_num_threads(1)\n"
+    "ws = [torch.randn(64, 256, requires_grad=True) for _ in range(8)]\n"
+    "x = torch.randn(1024, 64)\n"
+    "def work():\n"
+    "    h = x\n"
+    "    for w in ws:\n"
+    "        h = h + torch.nn.functional.silu(h @ w) @ w.t()\n"
+    "    h.square().mean().backward()\n"
+    "work()\n"
+    "ts = []\n"
+    "for _ in range({rounds}):\n"
+    "    t = time.perf_counter(); work(); ts.append(time.perf_counter() - t)\n"
+    "print(sorted(ts)[len(ts) // 2])\n"
+)
+
+
+def reference_time(cores: int, rounds: int = 40) -> float:
+    """Seconds of one round of a reference forward and backward (``_REFERENCE``) with one process
+    on each of ``cores`` cores at once: the mean of their medians. Its ratio to the profile's
+    ``reference_s`` is how much slower a shared host runs now than when it was calibrated."""
+    import subprocess
+
+    code = _REFERENCE.format(rounds=rounds)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(cores)]
+    times = [float(p.communicate()[0]) for p in procs]
+    return sum(times) / len(times)
+
+
+def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
+    """The rates of this device. Each timing is the best of its repeats (``best``; else their
+    median): the rate of the device itself, the share other work takes being ``background_load``
+    (measured apart)."""
     import torch
 
     cuda = device.startswith("cuda")
@@ -92,12 +125,12 @@ def measure_device(device: str, quick: bool = False) -> dict:
                     b = torch.randn(k, n, device=device, dtype=dtype)
                     flops = 2 * m * k * n
                     reps = 10 if cuda else max(2, min(20, int(2e8 / flops)))
-                    rows.append([m, k, n, flops / _time(lambda: torch.mm(a, b), reps, sync, best=True)])
+                    rows.append([m, k, n, flops / _time(lambda: torch.mm(a, b), reps, sync, best=best)])
         out["matmul_flops"][name] = rows
     n = (1 << 28) if cuda else (1 << 24 if quick else 1 << 25)  # 1 GiB / 64-128 MiB of fp32
     src = torch.empty(n, device=device)
     dst = torch.empty_like(src)
-    out["memory_bandwidth"] = 2 * n * 4 / _time(lambda: dst.copy_(src), 10, sync, best=True)  # read and write
+    out["memory_bandwidth"] = 2 * n * 4 / _time(lambda: dst.copy_(src), 10, sync, best=best)  # read and write
     # one dispatched operator's fixed cost: a chain of tiny ops, forward and backward
     x = torch.ones(8, device=device, requires_grad=True)
 
@@ -107,7 +140,7 @@ def measure_device(device: str, quick: bool = False) -> dict:
             y = y * 1.0001
         y.sum().backward()
 
-    out["op_overhead_s"] = _time(chain, 10, sync, best=True) / _dispatched(chain)
+    out["op_overhead_s"] = _time(chain, 10, sync, best=best) / _dispatched(chain)
     if cuda:
         host = torch.empty(1 << 26, pin_memory=True)
         dev = torch.empty(1 << 26, device=device)
@@ -119,11 +152,45 @@ def measure_device(device: str, quick: bool = False) -> dict:
     else:
         src = torch.empty(1 << 24)
         dst = torch.empty_like(src)
-        out["host_link_bandwidth"] = src.numel() * 4 / _time(lambda: dst.copy_(src), 10, best=True)
+        out["host_link_bandwidth"] = src.numel() * 4 / _time(lambda: dst.copy_(src), 10, best=best)
     p = torch.zeros(1 << 21, requires_grad=True)  # the host optimizer (ZeRO-Offload) on 2M parameters
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-    out["host_adam_params_per_s"] = p.numel() / _time(opt.step, 5, best=True)
+    out["host_adam_params_per_s"] = p.numel() / _time(opt.step, 5, best=best)
+    return out
+
+
+def _busy_worker(rank: int, quick: bool, barrier, q) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    barrier.wait()
+    q.put((rank, measure_device("cpu", quick=quick, best=False)))
+
+
+def measure_cpu_busy(cores: int, quick: bool = False) -> dict:
+    """The CPU's rates as one of ``cores`` ranks sees them while every core computes: one
+    single-thread ``measure_device`` per core, all started at once, each timing the median of its
+    repeats; per rate the mean over the processes. A rank of a training run shares the caches, the
+    memory bandwidth and the clock with the others, and runs at its typical speed, not its best."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(cores), ctx.Queue()
+    procs = [ctx.Process(target=_busy_worker, args=(r, quick, barrier, q)) for r in range(cores)]
+    for pr in procs:
+        pr.start()
+    got = [q.get() for _ in procs]
+    for pr in procs:
+        pr.join()
+    runs = [m for _, m in sorted(got, key=lambda x: x[0])]
+    out = {"matmul_flops": {}}
+    for dtype, rows in runs[0]["matmul_flops"].items():
+        out["matmul_flops"][dtype] = [
+            [*row[:3], sum(r["matmul_flops"][dtype][i][3] for r in runs) / len(runs)] for i, row in enumerate(rows)
+        ]
+    for key in ("memory_bandwidth", "op_overhead_s", "host_link_bandwidth", "host_adam_params_per_s"):
+        out[key] = sum(r[key] for r in runs) / len(runs)
     return out
 
 
@@ -218,13 +285,16 @@ def run_calibrate(argv: list[str]) -> int:
     cores = os.cpu_count() or 1
     name = a.name or (Path(a.out).stem if a.out else ("cuda" if cuda else f"cpu_{cores}core"))
     base = zplan.load_profile(a.base).to_dict() if a.base else {}
-    m = measure_device(device, quick=a.quick)
+    # a GPU is its own; a CPU's cores are shared by its ranks: measured with every core busy
+    m = measure_device(device, quick=a.quick) if cuda else measure_cpu_busy(cores, quick=a.quick)
     d = dict(base)
     d.update(name=name, notes="")
     sources = dict(base.get("sources") or {})
     for key in ("matmul_flops", "memory_bandwidth", "op_overhead_s", "host_link_bandwidth", "host_adam_params_per_s"):
         d[key] = m[key]
-        sources[key] = f"measured by python -m experiments.plan --calibrate on {device}, best of repeats"
+        sources[key] = f"measured by python -m experiments.plan --calibrate on {device}, " + (
+            "best of repeats" if cuda else f"median of repeats, one process on each of the {cores} cores at once"
+        )
     if cuda:
         d["device"], d["device_memory_bytes"] = m["device"], m["device_memory_bytes"]
         sources["device_memory_bytes"] = "torch.cuda.get_device_properties().total_memory"
@@ -243,6 +313,8 @@ def run_calibrate(argv: list[str]) -> int:
         )
         d["host_memory_bytes"] = float(mem)
         d["background_load"] = background_load(cores, 0.5 if a.quick else 2.0)
+        d["reference_s"] = reference_time(cores, 5 if a.quick else 40)
+        sources["reference_s"] = f"a reference forward and backward's median round, a process on each of {cores} cores"
         sources["background_load"] = "other work in busy processes: cores / (a busy process's share of a core) - cores"
         sources["expert_kernel"] = "the CPU's routed-expert kernel (routing_kernels.cpu_experts)"
         sources["device_memory_bytes"] = "os.sysconf: the host's memory, shared by its ranks"

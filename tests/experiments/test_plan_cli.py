@@ -115,3 +115,19 @@ def test_calibrate_fits_the_collectives_of_two_gloo_ranks(tmp_path):
     for op, ab in res["fitted"].items():
         assert ab["beta"] > 0 and ab["alpha"] >= 0, op
         assert [s for s, _ in res["raw"][op]] == [1 << 12, 1 << 20, 1 << 22]
+
+
+def test_the_planner_benchmarks_routing_skew_and_rank_correlation():
+    from experiments.bench.plan import _rank_skew, _spearman
+
+    rows = [
+        {"expert_load": [[4, 0, 2, 2], [1, 1, 1, 1]]},  # ranks of ep2: 4 and 4 | 2 and 2
+        {"expert_load": [[5, 1, 1, 1]]},  # 6 and 2: 6 / 4
+        {"tokens_per_s": 1.0},  # a row without MoE statistics
+    ]
+    assert _rank_skew(rows, 2) == pytest.approx(1.5)
+    assert _rank_skew(rows, 4) == pytest.approx(5 / 2)  # one expert a rank: 5 of a mean 2
+    assert _rank_skew(rows, 1) == 1.0
+    assert _spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert _spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert _spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)  # ties share a rank

@@ -433,3 +433,80 @@ def test_alpha_beta_time_is_hockneys_ring_model():
     assert ab.time("all_gather", 1e9, 4) == pytest.approx(3e-5 + 0.75)
     assert ab.time("p2p", 1e9, 2) == pytest.approx(1e-5 + 1.0)
     assert ab.time("all_to_all", 1e9, 1) == 0.0
+
+
+def test_a_slower_host_scales_every_time_and_no_memory(setting):
+    costs = setting.costs
+    for fields in (dict(), dict(zero_stage=3), dict(pp=2, pp_schedule="1f1b", pp_microbatches=2)):
+        r = zplan.LayoutRecord(world=2, batch_size=BATCH, **fields)
+        a = zplan.predict(r, costs, _profile())
+        b = zplan.predict(r, costs, _profile(slowdown=1.7))
+        assert b.step_s == pytest.approx(1.7 * a.step_s, rel=1e-12), r.label()
+        assert b.memory_bytes == a.memory_bytes and b.memory_parts == a.memory_parts
+        for k, v in a.time_parts.items():
+            assert b.time_parts[k] == pytest.approx(v if k == "bubble" else 1.7 * v, rel=1e-12), (r.label(), k)
+    with pytest.raises(ValueError, match=r"slowdown=0.0 must be > 0"):
+        _profile(slowdown=0.0)
+
+
+def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
+    """With every core computing (2 ranks, 2 slots) a ZeRO-3 step is, by hand, each layer's
+    compute and each gather and reduction one after the other; with a spare core (or a GPU: no
+    slots) the gathers and reductions hide behind compute, so the step is shorter."""
+    from zero.plan.terms import _Costing
+
+    costs = setting.costs
+    r = zplan.LayoutRecord(world=2, batch_size=BATCH, zero_stage=3)
+    shared = _profile(compute_slots=2)
+    c = _Costing(r, costs, shared, None)
+    assert not c.overlap and _Costing(r, costs, _profile(compute_slots=3), None).overlap
+    assert _Costing(r, costs, _profile(), None).overlap  # no slots: a GPU's copy engines and network
+    layers = [b for b in costs.blocks]
+    comp = [c.compute(b) for b in layers]
+    moe = [c.moe_comm(b) for b in layers]
+    f = sum(x["F"] for x in comp) + sum(x["F"] for x in moe)
+    bwd = sum(x["I"] + x["W"] for x in comp) + sum(x["I"] for x in moe)
+    gathers = sum(c.gather(b) for b in layers) + sum(c.gather_again(b) for b in layers)
+    red = sum(c.reduce(b) for b in layers)
+    norm = c.coll("all_reduce", 8, [0, 1])
+    by_hand = f + bwd + gathers + red + c.optimizer(layers) + c.post_step_gather(layers) + norm
+    assert zplan.predict(r, costs, shared).step_s == pytest.approx(by_hand, rel=1e-9)
+    spare = _profile(compute_slots=3)
+    assert zplan.predict(r, costs, spare).step_s < by_hand
+
+
+def test_the_busiest_expert_rank_sets_the_pace():
+    """time_skew s: the busiest ep rank's experts take s times the mean rows (their matmuls' rows
+    and the All-to-All's bytes), at most all of the group's; without ep it changes nothing. By hand
+    on a profile of one matmul rate and no memory-bound term: the forward grows by (s - 1) times the
+    expert products' FLOPs at that rate."""
+    from moe import MoEConfig
+    from moe.model import TransformerConfig
+    from zero.plan.terms import _Costing
+
+    cfg = TransformerConfig(
+        vocab_size=64, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=8, moe=MoEConfig(16, 32, 4, 2)
+    )
+    costs = model_costs(cfg, 8)
+    moe = next(b for b in costs.blocks if b.is_moe)
+    flat = _profile(matmul_flops={"fp32": [[64, 1e10]]}, memory_bandwidth=1e30, op_overhead_s=0.0)
+    r = zplan.LayoutRecord(world=2, batch_size=4, ep=2)
+    even, skewed = _Costing(r, costs, flat, None), _Costing(r, costs, flat, None, time_skew=1.5)
+    assert _Costing(r, costs, flat, None, time_skew=9).time_skew == 2  # all of the group's rows
+    X, T = moe.num_experts // 2, even.tokens
+    expert_flops = sum(
+        2.0 * mm.k * mm.n * (T * mm.rows_per_token * 2 / moe.num_experts) * X * mm.work
+        for mm in moe.matmuls
+        if mm.expert
+    )
+    assert expert_flops > 0
+    grown = skewed.compute(moe)["F"] - even.compute(moe)["F"]
+    assert grown == pytest.approx(0.5 * expert_flops / 1e10, rel=1e-9)
+    a2a = lambda c, s: c.coll("all_to_all", c.rows(moe)[0] * s * moe.row_bytes, c.groups.ep)  # noqa: E731
+    assert skewed.moe_comm(moe)["I"] == pytest.approx(2 * a2a(skewed, 1.5)) and a2a(skewed, 1.5) > a2a(even, 1)
+    dense = next(b for b in costs.blocks if not b.is_moe and b.matmuls)
+    assert skewed.compute(dense) == even.compute(dense)
+    p1, p2 = zplan.predict(r, costs, flat), zplan.predict(r, costs, flat, time_skew=1.5)
+    assert p2.step_s > p1.step_s and p2.memory_bytes == p1.memory_bytes
+    no_ep = zplan.LayoutRecord(world=2, batch_size=4)
+    assert zplan.predict(no_ep, costs, flat, time_skew=1.5).step_s == zplan.predict(no_ep, costs, flat).step_s

@@ -75,10 +75,13 @@ from .wire import comm_bytes
 __all__ = ["PARTS", "BlockCost", "MatMul", "ModelCosts", "Prediction", "predict"]
 
 
-def _stream(compute: list[float], comm: list[float]) -> float:
+def _stream(compute: list[float], comm: list[float], overlap: bool = True) -> float:
     """A chain of layers whose communication runs one ahead of the compute (ZeRO-3's prefetch:
     the next layer's gather starts when the current layer starts): the first gather is exposed,
-    then each layer takes the longer of its compute and the next gather."""
+    then each layer takes the longer of its compute and the next gather. Without ``overlap``
+    (nothing but the computing cores to run the collectives) one after the other."""
+    if not overlap:
+        return sum(compute) + sum(comm[: len(compute)])
     if not compute:
         return 0.0
     t_comm = comm[0]
@@ -102,13 +105,17 @@ def _overlapped_reduction(compute_rev: list[float], reduce_rev: list[float]) -> 
     return max(t, t_red)
 
 
-def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: float | None = None) -> Prediction:
+def predict(
+    rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: float | None = None, time_skew: float = 1.0
+) -> Prediction:
     """Peak memory per rank and step time of layout ``rec`` (see the module docstring). ``skew``:
-    the dropless MoE layers' worst rows over the mean (default: the worst case possible)."""
+    the dropless MoE layers' worst rows over the mean, for memory (default: the worst case
+    possible); ``time_skew``: the busiest expert-parallel rank's routed rows over the mean, for
+    time (default 1: even routing; at most ep)."""
     blocks = costs.blocks
     L = len(blocks)
     plan = rec.plan(L)
-    cst = _Costing(rec, costs, profile, skew)
+    cst = _Costing(rec, costs, profile, skew, time_skew)
     T = cst.tokens
     if T < 1:
         raise ValueError(f"layout {rec.label()}: a micro-batch has no rows (batch_size={rec.batch_size})")
@@ -238,12 +245,18 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
         z3 = rec.zero_stage == 3
         # the step's first forward gathers from the primary partition; the backwards and the later
         # forwards gather again (under hpZ from the secondary one, inside the node)
-        fwd = _stream(f_c, g) if z3 else sum(f_c)
-        fwd_again = _stream(f_c, g2) if z3 else sum(f_c)
-        bwd = _stream(b_c, g2[::-1]) if z3 else sum(b_c)
+        ov = cst.overlap
+        fwd = _stream(f_c, g, ov) if z3 else sum(f_c)
+        fwd_again = _stream(f_c, g2, ov) if z3 else sum(f_c)
+        bwd = _stream(b_c, g2[::-1], ov) if z3 else sum(b_c)
         # the last micro-batch's backward overlaps each layer's reduction with the layers before it
         r_rev = [red[j] for j in layers][::-1]
-        last_bwd = max(bwd, _overlapped_reduction(b_c, r_rev)) if rec.dp > 1 else bwd
+        if rec.dp == 1:
+            last_bwd = bwd
+        elif ov:
+            last_bwd = max(bwd, _overlapped_reduction(b_c, r_rev))
+        else:  # the reductions after the backward's compute and gathers, one after the other
+            last_bwd = bwd + sum(r_rev)
         pipeline = fwd + (rec.grad_accum - 1) * (fwd_again + bwd) + last_bwd
         forward = fwd + (rec.grad_accum - 1) * fwd_again
         tp.update(forward=forward, backward=rec.grad_accum * bwd, reduction_exposed=last_bwd - bwd)
@@ -270,7 +283,9 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
             # the step's first forward of each stage gathers its blocks (kept until the step)
             first = {
                 "F": {
-                    s: _stream([layer_f(j) for j in range(*stages[s])], [gath[j] for j in range(*stages[s])])
+                    s: _stream(
+                        [layer_f(j) for j in range(*stages[s])], [gath[j] for j in range(*stages[s])], cst.overlap
+                    )
                     for s in range(n_st)
                 }
             }
@@ -290,7 +305,8 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
     # the clip norm's all-reduce over dp (and pp) and the step's one host sync
     norm = cst.coll("all_reduce", 8, list(range(rec.dp))) + cst.coll("all_reduce", 8, list(range(0, rec.world, rec.dp)))
     ends = [finish[r] + reduce_after[r] + opt[r] + post[r] for r in range(len(finish))]
-    step = max(ends) + norm
+    # a shared host running slower than when it was calibrated scales every time (Profile.slowdown)
+    step = (max(ends) + norm) * profile.slowdown
     # the busiest rank's share of each, per step
     passes = rec.grad_accum * rec.microbatches
     tp.update(
@@ -303,6 +319,7 @@ def predict(rec: LayoutRecord, costs: ModelCosts, profile: Profile, *, skew: flo
         ),
         moe_comm=max(sum(moe[j]["F"] + moe[j]["I"] for j in layers) for layers in rank_layers) * passes,
     )
+    tp = {k: v if k == "bubble" else v * profile.slowdown for k, v in tp.items()}  # bubble: a fraction
     per_node = min(rec.world, profile.node_size)
     device = mem * (per_node if profile.memory_shared_by_node else 1)
     fits = device <= profile.device_memory_bytes and host * per_node <= profile.host_memory_bytes

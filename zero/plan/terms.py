@@ -57,16 +57,29 @@ class _Groups:
 class _Costing:
     """Times and bytes of one layout on one profile (the pieces ``predict`` combines)."""
 
-    def __init__(self, rec: LayoutRecord, costs: ModelCosts, profile: Profile, skew: float | None):
+    def __init__(
+        self, rec: LayoutRecord, costs: ModelCosts, profile: Profile, skew: float | None, time_skew: float = 1.0
+    ):
         self.rec, self.costs, self.profile, self.skew = rec, costs, profile, skew
+        # the busiest ep rank's routed rows over the mean, as the step's pace: every synchronous
+        # All-to-All waits for the rank whose experts compute the most (at most all of the group's)
+        self.time_skew = min(max(1.0, time_skew), rec.ep)
         self.c_w = 2 if rec.mixed_precision == "bf16" else 4  # the engine's compute weights and gradients
         self.dtype = "bf16" if (costs.act_dtype == "bf16" or rec.mixed_precision == "bf16") else "fp32"
         self.tokens = rec.micro_rows * costs.seq_len  # of one micro-batch on one rank
         self.groups = _Groups(rec, profile.node_size)
         # ranks of one node share its compute slots (a CPU's cores) with each other and with the
         # node's other work: each gets slots / (ranks + background) of one when that is below 1
+        # (a CPU profile's rates are measured with every core busy: what sharing caches and memory
+        # bandwidth costs is in them)
         per_node = min(rec.world, profile.node_size)
-        self.contention = max(1.0, (per_node + profile.background_load) / profile.slots)
+        busy = per_node + profile.background_load
+        slots = profile.slots
+        self.contention = max(1.0, busy / slots)
+        # collectives overlap computation only where something else runs them: a GPU's copy
+        # engines and network (no compute_slots), or a core no rank computes on; on a CPU whose
+        # cores all compute, gloo's threads take their time from the ranks' (one after the other)
+        self.overlap = profile.compute_slots is None or busy + 1 <= slots
 
     # ----- collectives ---------------------------------------------------------------------------
     def coll(self, op: str, nbytes: float, ranks) -> float:
@@ -144,7 +157,8 @@ class _Costing:
         for mm in b.matmuls:
             if mm.expert:
                 X = b.num_experts // rec.ep
-                rows = T * mm.rows_per_token * rec.ep / b.num_experts  # per local expert, mean load
+                # per local expert: the mean load, on the busiest rank
+                rows = T * mm.rows_per_token * rec.ep / b.num_experts * self.time_skew
                 flops = 2.0 * mm.k * mm.n * rows * X * mm.work
             else:
                 rows = mm.fixed_rows or T * mm.rows_per_token
@@ -183,7 +197,7 @@ class _Costing:
                 f += self.coll("all_gather", b.routing_bytes * self.tokens * rec.dp, g.dp)
         if rec.ep > 1:
             mean, _ = self.rows(b)
-            a2a = self.coll("all_to_all", mean * b.row_bytes, g.ep)
+            a2a = self.coll("all_to_all", mean * self.time_skew * b.row_bytes, g.ep)
             counts = self.coll("all_to_all", 8 * b.num_experts, g.ep)
             f += 2 * a2a + counts  # dispatch and combine, and the counts before them
             i += 2 * a2a
@@ -277,7 +291,7 @@ def _layer_terms(cst: _Costing):
     rec = cst.rec
     key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.micro_rows, rec.zero_stage)
     key += (rec.mixed_precision, cst.skew, rec.zero_hpz, rec.zero_qwz, rec.zero_qgz, rec.zero_qgz_bits)
-    key += (rec.zero_quant_block,)
+    key += (rec.zero_quant_block, cst.time_skew)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is cst.costs and hit[1] is cst.profile:
         return hit[2]
