@@ -70,38 +70,6 @@ def background_load(cores: int, seconds: float = 2.0) -> float:
     return max(0.0, cores / share - cores)
 
 
-# a rank's typical work on one thread: a small model's forward and backward (matrix products,
-# elementwise passes, allocations, autograd); prints the median seconds of its rounds
-_REFERENCE = (
-    "import time, torch\n"
-    "torch.set_num_threads(1)\n"
-    "ws = [torch.randn(64, 256, requires_grad=True) for _ in range(8)]\n"
-    "x = torch.randn(1024, 64)\n"
-    "def work():\n"
-    "    h = x\n"
-    "    for w in ws:\n"
-    "        h = h + torch.nn.functional.silu(h @ w) @ w.t()\n"
-    "    h.square().mean().backward()\n"
-    "work()\n"
-    "ts = []\n"
-    "for _ in range({rounds}):\n"
-    "    t = time.perf_counter(); work(); ts.append(time.perf_counter() - t)\n"
-    "print(sorted(ts)[len(ts) // 2])\n"
-)
-
-
-def reference_time(cores: int, rounds: int = 40) -> float:
-    """Seconds of one round of a reference forward and backward (``_REFERENCE``) with one process
-    on each of ``cores`` cores at once: the mean of their medians. Its ratio to the profile's
-    ``reference_s`` is how much slower a shared host runs now than when it was calibrated."""
-    import subprocess
-
-    code = _REFERENCE.format(rounds=rounds)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(cores)]
-    times = [float(p.communicate()[0]) for p in procs]
-    return sum(times) / len(times)
-
-
 def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
     """The rates of this device. Each timing is the best of its repeats (``best``; else their
     median): the rate of the device itself, the share other work takes being ``background_load``
@@ -313,8 +281,6 @@ def run_calibrate(argv: list[str]) -> int:
         )
         d["host_memory_bytes"] = float(mem)
         d["background_load"] = background_load(cores, 0.5 if a.quick else 2.0)
-        d["reference_s"] = reference_time(cores, 5 if a.quick else 40)
-        sources["reference_s"] = f"a reference forward and backward's median round, a process on each of {cores} cores"
         sources["background_load"] = "other work in busy processes: cores / (a busy process's share of a core) - cores"
         sources["expert_kernel"] = "the CPU's routed-expert kernel (routing_kernels.cpu_experts)"
         sources["device_memory_bytes"] = "os.sysconf: the host's memory, shared by its ranks"

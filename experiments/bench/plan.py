@@ -150,7 +150,6 @@ def _spearman(a, b) -> float:
 def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
     import os
 
-    from experiments.calibrate import reference_time
     from experiments.plan import background_load, compose, costs_of
     from tests.support.dist import run_distributed
 
@@ -172,12 +171,7 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
         for i, rec in enumerate(recs):
             # the machine is shared and its other work comes and goes: the profile's background
             # load is measured just before each run (the rest of the profile is the shipped one)
-            # and its host's speed drifts (other tenants): a reference forward and backward on every
-            # core just before each run, over its time at calibration, gives the profile's slowdown
-            # (which other processes' load is part of: background_load is left at 0)
-            slow = reference_time(os.cpu_count() or 1) / shipped.reference_s if shipped.reference_s else 1.0
-            load = 0.0 if shipped.reference_s else background_load(os.cpu_count() or 1, 2.0)
-            profile = dataclasses.replace(shipped, background_load=load, slowdown=slow)
+            profile = dataclasses.replace(shipped, background_load=background_load(os.cpu_count() or 1, 2.0))
             overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
@@ -199,7 +193,6 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
                 measured_s=statistics.median(times),
                 step_times=times,
                 background_load=profile.background_load,
-                slowdown=profile.slowdown,
                 predicted_model_states=pred.memory_parts["model_states"],
                 measured_model_states=max(m for m, _ in got),
                 # the CPU ranks' one memory holds the offloaded optimizer state too
@@ -214,7 +207,7 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
             )
             runs[i].append(run)
             print(
-                f"| {rnd + 1} | {rec.world} | {rec.label()} | {run['slowdown']:.2f} | {pred.step_s:.3f} "
+                f"| {rnd + 1} | {rec.world} | {rec.label()} | {run['background_load']:.1f} | {pred.step_s:.3f} "
                 f"| {run['measured_s']:.3f} | {abs(pred.step_s - run['measured_s']) / run['measured_s']:.0%} "
                 f"| {run['predicted_model_states'] / 1e6:.3f} | {run['measured_model_states'] / 1e6:.3f} "
                 f"| {run['predicted_peak'] / 1e6:.2f} | {run['measured_peak'] / 1e6:.2f} "
@@ -441,7 +434,7 @@ def main(argv=None) -> int:
     results = {}
     if "a" in a.part:
         print(
-            "| run | ranks | layout | host slowdown | predicted s/step | measured s/step | error "
+            "| run | ranks | layout | background load | predicted s/step | measured s/step | error "
             "| predicted model states (MB) | measured (MB) | predicted peak (MB) | measured peak (MB) | peak error |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -435,20 +435,6 @@ def test_alpha_beta_time_is_hockneys_ring_model():
     assert ab.time("all_to_all", 1e9, 1) == 0.0
 
 
-def test_a_slower_host_scales_every_time_and_no_memory(setting):
-    costs = setting.costs
-    for fields in (dict(), dict(zero_stage=3), dict(pp=2, pp_schedule="1f1b", pp_microbatches=2)):
-        r = zplan.LayoutRecord(world=2, batch_size=BATCH, **fields)
-        a = zplan.predict(r, costs, _profile())
-        b = zplan.predict(r, costs, _profile(slowdown=1.7))
-        assert b.step_s == pytest.approx(1.7 * a.step_s, rel=1e-12), r.label()
-        assert b.memory_bytes == a.memory_bytes and b.memory_parts == a.memory_parts
-        for k, v in a.time_parts.items():
-            assert b.time_parts[k] == pytest.approx(v if k == "bubble" else 1.7 * v, rel=1e-12), (r.label(), k)
-    with pytest.raises(ValueError, match=r"slowdown=0.0 must be > 0"):
-        _profile(slowdown=0.0)
-
-
 def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     """With every core computing (2 ranks, 2 slots) a ZeRO-3 step is, by hand, each layer's
     compute and each gather and reduction one after the other; with a spare core (or a GPU: no

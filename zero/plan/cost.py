@@ -305,8 +305,7 @@ def predict(
     # the clip norm's all-reduce over dp (and pp) and the step's one host sync
     norm = cst.coll("all_reduce", 8, list(range(rec.dp))) + cst.coll("all_reduce", 8, list(range(0, rec.world, rec.dp)))
     ends = [finish[r] + reduce_after[r] + opt[r] + post[r] for r in range(len(finish))]
-    # a shared host running slower than when it was calibrated scales every time (Profile.slowdown)
-    step = (max(ends) + norm) * profile.slowdown
+    step = max(ends) + norm
     # the busiest rank's share of each, per step
     passes = rec.grad_accum * rec.microbatches
     tp.update(
@@ -319,7 +318,6 @@ def predict(
         ),
         moe_comm=max(sum(moe[j]["F"] + moe[j]["I"] for j in layers) for layers in rank_layers) * passes,
     )
-    tp = {k: v if k == "bubble" else v * profile.slowdown for k, v in tp.items()}  # bubble: a fraction
     per_node = min(rec.world, profile.node_size)
     device = mem * (per_node if profile.memory_shared_by_node else 1)
     fits = device <= profile.device_memory_bytes and host * per_node <= profile.host_memory_bytes

@@ -105,12 +105,6 @@ class Profile:
     # other work that shares the node's compute slots, in busy processes (0 on dedicated GPUs; on a
     # shared host measured from the share s of a core one busy process gets: slots / s - 1)
     background_load: float = 0.0
-    # a shared host's speed drifts (other tenants of its hardware): ``reference_s`` is the seconds a
-    # reference forward and backward took on every core at calibration (``experiments.calibrate``),
-    # and ``slowdown`` how much slower the host runs now (that time measured now over it); every
-    # predicted time is scaled by it. 1 on dedicated devices
-    reference_s: float | None = None
-    slowdown: float = 1.0
     # the ranks of a node share device_memory_bytes (CPU ranks in one host's memory)
     memory_shared_by_node: bool = False
     # the routed experts' kernel, which decides what they save per row (moe.costs): grouped (GPU) or fused (CPU)
@@ -143,8 +137,6 @@ class Profile:
         object.__setattr__(self, "_tables", tables)
         if not self.background_load >= 0:
             raise ValueError(f"profile {self.name}: background_load={self.background_load!r} must be >= 0")
-        if not self.slowdown > 0:
-            raise ValueError(f"profile {self.name}: slowdown={self.slowdown!r} must be > 0")
 
     def matmul_rate(self, dtype: str, m: float, k: float, n: float) -> float:
         """FLOP/s of an [m, k] @ [k, n] product: the measured shapes' rates, interpolated in log
@@ -194,14 +186,12 @@ class Profile:
             t: {op: AlphaBeta(float(v["alpha"]), float(v["beta"])) for op, v in ops.items()}
             for t, ops in (d.get("collectives") or {}).items()
         }
-        if d.get("reference_s") is not None:
-            d["reference_s"] = float(d["reference_s"])
         for key in ("host_memory_bytes", "host_link_bandwidth", "host_adam_params_per_s"):
             if d.get(key) is None:
                 d.pop(key, None)
             else:
                 d[key] = float(d[key])
-        for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s", "background_load", "slowdown"):
+        for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s", "background_load"):
             if key in d:
                 d[key] = float(d[key])
         d["matmul_flops"] = {
