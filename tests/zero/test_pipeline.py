@@ -111,6 +111,17 @@ def test_plan_cuts_layers_and_maps_stages_to_ranks():
     assert v.ranges == ((0, 1), (1, 4), (4, 7), (7, 8))
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_split_backward_names_the_schedules_whose_backward_runs_in_two_passes(schedule):
+    # what the trainer turns compile's donated buffers off for (a second backward pass over a graph)
+    from zero.plan.schedule import rank_orders
+
+    virtual = 1 if SCHEDULES[schedule][1] == "single" else 2
+    plan = plan_pipeline(6, pp=2, pp_schedule=schedule, pp_microbatches=4, pp_virtual_stages=virtual)
+    kinds = {a[0] for rank in rank_orders(plan) for group in rank for a in group}
+    assert plan.splits_backward == ("I" in kinds), (schedule, kinds)
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [
