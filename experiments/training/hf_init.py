@@ -73,10 +73,38 @@ def _conflict(ours: TransformerConfig, key: str, value) -> bool:
     return architecture(other) != architecture(ours)
 
 
+def check_upcycle(mcfg) -> None:
+    """``model.upcycle.*`` where it would do nothing: a ``granularity`` or ``top_k`` other than its
+    default without ``num_experts`` (null: no upcycling), or ``num_experts`` without ``init_from``;
+    a ValueError naming the key, its value and what would be valid."""
+    from experiments.training.schema import UpcycleConfig
+
+    upcycle = mcfg.get("upcycle", None)
+    if upcycle is None:
+        return
+    num_experts, default = upcycle.get("num_experts", None), UpcycleConfig()
+    if num_experts is None:
+        for name, valid in (("granularity", "a multiple of {v}"), ("top_k", "at least {v}")):
+            value, unset = upcycle.get(name, getattr(default, name)), getattr(default, name)
+            if value != unset:
+                raise ValueError(
+                    f"model.upcycle.{name}={value!r} does nothing without model.upcycle.num_experts (null: no "
+                    f"upcycling): set model.upcycle.num_experts ({valid.format(v=value)}) to upcycle a dense "
+                    f"model.init_from, or leave model.upcycle.{name} at its default {unset}"
+                )
+    elif not mcfg.get("init_from", None):
+        raise ValueError(
+            f"model.upcycle.num_experts={num_experts!r} upcycles model.init_from, which is null: set "
+            f"model.init_from=<a dense Llama or Qwen3 checkpoint directory>, or model.upcycle.num_experts=null"
+        )
+
+
 def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> DictConfig:
     """``cfg`` with ``model.*``/``moe.*`` set from ``model.init_from``'s checkpoint (a copy; ``cfg``
     itself when there is no ``init_from``). ``overrides``: the explicit ``key=value`` overrides
-    (default ``explicit_overrides(cfg)``). Reads only ``config.json``."""
+    (default ``explicit_overrides(cfg)``). Reads only ``config.json``; ``model.upcycle.*`` that would
+    do nothing is refused first (``check_upcycle``)."""
+    check_upcycle(cfg.model)
     path = cfg.model.get("init_from", None)
     if not path:
         return cfg
