@@ -110,6 +110,7 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
         return cfg
     from moe.hf import read_config
     from moe.hf.arch import NOT_ARCHITECTURE, TRAINING_MOE_FIELDS
+    from moe.hf.dense import MOE_OF  # the dense families, and the MoE family each upcycles to
 
     adapter, hf_cfg = read_config(path)
     run_moe = OmegaConf.to_container(cfg.moe, resolve=True) if "moe" in cfg else {}
@@ -117,7 +118,6 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
     upcycle = cfg.model.get("upcycle", None)
     family = adapter.model_type
     if upcycle is not None and upcycle.num_experts is not None:  # a dense checkpoint as an MoE model
-        from moe.hf.dense import MOE_OF
         from moe.hf.upcycle import upcycled_config
 
         if family not in MOE_OF:
@@ -129,6 +129,12 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
         granularity = upcycle.get("granularity", 1)
         ckpt = upcycled_config(dense, upcycle.num_experts, upcycle.top_k, granularity, **training)
         family = MOE_OF[family]
+    elif family in MOE_OF:  # its config has no MoE layer to take
+        raise ValueError(
+            f"model.init_from={path} is a dense {adapter.name} checkpoint, which the trainer starts from by "
+            f"upcycling: set model.upcycle.num_experts=E (and model.upcycle.top_k=k) for a {MOE_OF[family]} model "
+            "of E copies of each FFN, or use an MoE checkpoint"
+        )
     else:
         ckpt = adapter.transformer_config(hf_cfg, max_seq_len=int(cfg.model.max_seq_len), **training)
 

@@ -225,3 +225,15 @@ def test_upcycle_num_experts_without_init_from_is_refused():
 
     with pytest.raises(ValueError, match=r"model\.upcycle\.num_experts=4 upcycles model\.init_from, which is null"):
         train(cfg_of(*SHORT, "model.upcycle.num_experts=4"))
+
+
+def test_a_dense_checkpoint_without_num_experts_is_refused_naming_upcycling(tmp_path):
+    # it failed with an AttributeError on the dense config's moe (None)
+    from experiments.training.hf_init import resolve_init_from
+
+    _dense("qwen3", tmp_path / "dense")
+    run = [*SHORT, f"model.init_from={tmp_path / 'dense'}"]
+    with pytest.raises(
+        ValueError, match=r"is a dense Qwen3 checkpoint, .* set model\.upcycle\.num_experts=E .* qwen3_moe"
+    ):
+        resolve_init_from(cfg_of(*run), overrides=run)
