@@ -54,6 +54,9 @@ SCHEDULES = {
     "zbv": ("ScheduleZBVZeroBubble", "v"),
     "dualpipev": ("ScheduleDualPipeV", "v"),
 }
+# the zero-bubble schedules: a stage's backward in two passes over one autograd graph, the input
+# gradients (retain_graph=True) and later the weight gradients
+SPLIT_BACKWARD = frozenset({"interleaved_zb", "zbv", "dualpipev"})
 
 
 def even_split(num_layers: int, num_stages: int) -> list[int]:
@@ -79,6 +82,10 @@ class PipelinePlan:
     @property
     def style(self) -> str:
         return SCHEDULES[self.schedule][1]
+
+    @property
+    def splits_backward(self) -> bool:
+        return self.schedule in SPLIT_BACKWARD
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stage indices pipeline rank ``pp_rank`` runs, in order."""

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 import zero
 from experiments.training.checks import offload_mode
-from experiments.training.hf_init import init_layers, load_init_from, resolve_init_from
+from experiments.training.hf_init import check_upcycle, init_layers, load_init_from, resolve_init_from
 from experiments.training.optim import optimizer_factory
 from experiments.training.schema import model_config
 from moe.model import Transformer
@@ -80,6 +80,7 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None, plan: Pipeli
     config is the model's (``hf_init.resolve_init_from``, applied here unless the trainer already
     did) and whose weights replace the initial ones: with ``plan``, only the pipeline layers this
     rank runs, and in each MoE layer only this rank's experts."""
+    check_upcycle(cfg.model)  # model.upcycle.* that would do nothing
     init_from = cfg.model.get("init_from", None)
     if init_from and not cfg.model.get("hf_family", None):
         cfg = resolve_init_from(cfg)

@@ -6,6 +6,7 @@ The other sections are checked once each where they are turned into objects, sin
 knows its rules:
 
 - ``model.*``, ``moe.*``: ``moe.model.TransformerConfig`` and ``moe.MoEConfig`` (``schema.model_config``);
+- ``model.upcycle.*`` and ``model.init_from``: ``hf_init.resolve_init_from``, the first thing the trainer does;
 - ``parallel.pp*``: ``zero.pipeline.plan_pipeline`` (``build.build_plan`` names the keys);
 - ``parallel.ep`` and ``parallel.pp`` against the world size: ``zero.Layout`` (``build.build_layout``),
   and ``parallel.node_size`` there too (``build.build_layout`` names the key);

@@ -73,15 +73,44 @@ def _conflict(ours: TransformerConfig, key: str, value) -> bool:
     return architecture(other) != architecture(ours)
 
 
+def check_upcycle(mcfg) -> None:
+    """``model.upcycle.*`` where it would do nothing: a ``granularity`` or ``top_k`` other than its
+    default without ``num_experts`` (null: no upcycling), or ``num_experts`` without ``init_from``;
+    a ValueError naming the key, its value and what would be valid."""
+    from experiments.training.schema import UpcycleConfig
+
+    upcycle = mcfg.get("upcycle", None)
+    if upcycle is None:
+        return
+    num_experts, default = upcycle.get("num_experts", None), UpcycleConfig()
+    if num_experts is None:
+        for name, valid in (("granularity", "a multiple of {v}"), ("top_k", "at least {v}")):
+            value, unset = upcycle.get(name, getattr(default, name)), getattr(default, name)
+            if value != unset:
+                raise ValueError(
+                    f"model.upcycle.{name}={value!r} does nothing without model.upcycle.num_experts (null: no "
+                    f"upcycling): set model.upcycle.num_experts ({valid.format(v=value)}) to upcycle a dense "
+                    f"model.init_from, or leave model.upcycle.{name} at its default {unset}"
+                )
+    elif not mcfg.get("init_from", None):
+        raise ValueError(
+            f"model.upcycle.num_experts={num_experts!r} upcycles model.init_from, which is null: set "
+            f"model.init_from=<a dense Llama or Qwen3 checkpoint directory>, or model.upcycle.num_experts=null"
+        )
+
+
 def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> DictConfig:
     """``cfg`` with ``model.*``/``moe.*`` set from ``model.init_from``'s checkpoint (a copy; ``cfg``
     itself when there is no ``init_from``). ``overrides``: the explicit ``key=value`` overrides
-    (default ``explicit_overrides(cfg)``). Reads only ``config.json``."""
+    (default ``explicit_overrides(cfg)``). Reads only ``config.json``; ``model.upcycle.*`` that would
+    do nothing is refused first (``check_upcycle``)."""
+    check_upcycle(cfg.model)
     path = cfg.model.get("init_from", None)
     if not path:
         return cfg
     from moe.hf import read_config
     from moe.hf.arch import NOT_ARCHITECTURE, TRAINING_MOE_FIELDS
+    from moe.hf.dense import MOE_OF  # the dense families, and the MoE family each upcycles to
 
     adapter, hf_cfg = read_config(path)
     run_moe = OmegaConf.to_container(cfg.moe, resolve=True) if "moe" in cfg else {}
@@ -89,7 +118,6 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
     upcycle = cfg.model.get("upcycle", None)
     family = adapter.model_type
     if upcycle is not None and upcycle.num_experts is not None:  # a dense checkpoint as an MoE model
-        from moe.hf.dense import MOE_OF
         from moe.hf.upcycle import upcycled_config
 
         if family not in MOE_OF:
@@ -101,6 +129,12 @@ def resolve_init_from(cfg: DictConfig, overrides: list[str] | None = None) -> Di
         granularity = upcycle.get("granularity", 1)
         ckpt = upcycled_config(dense, upcycle.num_experts, upcycle.top_k, granularity, **training)
         family = MOE_OF[family]
+    elif family in MOE_OF:  # its config has no MoE layer to take
+        raise ValueError(
+            f"model.init_from={path} is a dense {adapter.name} checkpoint, which the trainer starts from by "
+            f"upcycling: set model.upcycle.num_experts=E (and model.upcycle.top_k=k) for a {MOE_OF[family]} model "
+            "of E copies of each FFN, or use an MoE checkpoint"
+        )
     else:
         ckpt = adapter.transformer_config(hf_cfg, max_seq_len=int(cfg.model.max_seq_len), **training)
 

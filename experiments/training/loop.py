@@ -102,6 +102,14 @@ class Trainer:
         model = build_model(cfg, layout, plan).to(device)
         model.train()
         if self.tcfg.compile:
+            if plan is not None and plan.splits_backward:
+                # a zero-bubble schedule runs each block's backward in two passes over one graph (the
+                # input gradients with retain_graph=True, then the weight gradients); AOTAutograd's
+                # donated buffers (saved tensors its backward frees) allow one pass. torch reads the
+                # flag when a graph compiles and at every backward, so it is off for the process
+                from torch._functorch import config as functorch_config
+
+                functorch_config.donated_buffer = False
             model.compile_blocks()
         self.params = model.param_counts()
         all_layers = model.moe_layers()  # of the whole model; a pipeline rank runs some of them

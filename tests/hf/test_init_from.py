@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tests.support.training import SHORT, assemble_weights, cfg_of, metrics_rows  # noqa: E402
+from tests.support.training import SHORT, assemble_stages, cfg_of, metrics_rows  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,12 +93,7 @@ def test_qwen3_moe_init_from_trains_under_pp2_ep2_zero3_like_one_process(tmp_pat
     np.testing.assert_allclose(got[0]["train_losses"], single["train_losses"], rtol=RTOL, err_msg="losses")
     for key in ("grad_norm", "aux_loss"):
         np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in ref_rows], rtol=RTOL, err_msg=key)
-    weights = {}
-    for pp_rank in range(2):
-        stage = [s for s in got if s["layout"]["rank"] // s["layout"]["dp"] == pp_rank]
-        names = set(stage[0]["weights"])
-        weights.update(assemble_weights(stage, {n: w for n, w in single["weights"].items() if n in names}))
-    assert set(weights) == set(single["weights"])
+    weights = assemble_stages(got, single["weights"])
     for name, w in single["weights"].items():
         torch.testing.assert_close(weights[name], w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m: f"{name}: {m}")
     assert single["train_losses"][-1] < single["train_losses"][0]

@@ -180,3 +180,60 @@ def test_granular_upcycling_refuses_a_split_that_does_not_fit(overrides, match, 
     run = _run(tmp_path / "dense", *overrides)
     with pytest.raises(ValueError, match=match):
         resolve_init_from(cfg_of(*run), overrides=run)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            ["model.upcycle.granularity=2"],
+            r"model\.upcycle\.granularity=2 does nothing without model\.upcycle\.num_experts \(null: no upcycling\): "
+            r"set model\.upcycle\.num_experts \(a multiple of 2\) .* or leave model\.upcycle\.granularity at its "
+            r"default 1",
+        ),
+        (
+            ["model.upcycle.top_k=4"],
+            r"model\.upcycle\.top_k=4 does nothing without model\.upcycle\.num_experts .*\(at least 4\) .* "
+            r"default 2",
+        ),
+    ],
+)
+@pytest.mark.parametrize("init_from", [True, False])
+def test_upcycle_keys_without_num_experts_are_refused_before_anything_is_built(
+    overrides, match, init_from, tmp_path, monkeypatch
+):
+    from experiments.train import train
+    from experiments.training import loop
+    from experiments.training.build import build_model
+
+    _dense("llama", tmp_path / "dense")
+    run = [*SHORT, *overrides, *([f"model.init_from={tmp_path / 'dense'}"] if init_from else [])]
+
+    def never(*a, **kw):
+        raise AssertionError("built before the check")
+
+    for name in ("plan_before_build", "build_layout", "build_data"):
+        monkeypatch.setattr(loop, name, never)
+    with pytest.raises(ValueError, match=match):
+        train(cfg_of(*run))
+    with pytest.raises(ValueError, match=match):
+        build_model(cfg_of(*run))
+
+
+def test_upcycle_num_experts_without_init_from_is_refused():
+    from experiments.train import train
+
+    with pytest.raises(ValueError, match=r"model\.upcycle\.num_experts=4 upcycles model\.init_from, which is null"):
+        train(cfg_of(*SHORT, "model.upcycle.num_experts=4"))
+
+
+def test_a_dense_checkpoint_without_num_experts_is_refused_naming_upcycling(tmp_path):
+    # it failed with an AttributeError on the dense config's moe (None)
+    from experiments.training.hf_init import resolve_init_from
+
+    _dense("qwen3", tmp_path / "dense")
+    run = [*SHORT, f"model.init_from={tmp_path / 'dense'}"]
+    with pytest.raises(
+        ValueError, match=r"is a dense Qwen3 checkpoint, .* set model\.upcycle\.num_experts=E .* qwen3_moe"
+    ):
+        resolve_init_from(cfg_of(*run), overrides=run)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -118,3 +119,38 @@ def assemble_weights(per_rank: list[dict], ref: dict[str, torch.Tensor]) -> dict
             assert ep > 1 and by_ep_rank[0].shape[0] * ep == want.shape[0], (name, by_ep_rank[0].shape, want.shape)
             full[name] = torch.cat([by_ep_rank[r] for r in range(ep)])
     return full
+
+
+def assemble_stages(per_rank: list[dict], ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole model from the ranks of a pipeline (pp=1: one stage): each stage's ranks (``rank //
+    dp``) assembled as ``assemble_weights`` does; every parameter of ``ref`` on exactly one stage."""
+    weights = {}
+    for pp_rank in sorted({s["layout"]["rank"] // s["layout"]["dp"] for s in per_rank}):
+        stage = [s for s in per_rank if s["layout"]["rank"] // s["layout"]["dp"] == pp_rank]
+        names = set(stage[0]["weights"])
+        assert not names & set(weights), f"stage {pp_rank} holds another stage's {sorted(names & set(weights))[:3]}"
+        weights.update(assemble_weights(stage, {n: w for n, w in ref.items() if n in names}))
+    assert set(weights) == set(ref), f"not on any stage: {sorted(set(ref) - set(weights))[:3]}"
+    return weights
+
+
+def check_like_one_process(got: list[dict], rows, single: dict, ref_rows, what: str, rtol: float, atol: float) -> None:
+    """A distributed run (``got``: each rank's summary with its weights, ``rows``: its metrics.jsonl)
+    trained like one process (``single``, ``ref_rows``) on the same global batch: every rank logs the
+    same losses; losses, gradient norms, aux losses and the validation loss within ``rtol``
+    relative; the expert load (token counts) identical; the whole model (``assemble_stages``) within
+    ``atol``; and the reference trained (equal weights would also hold for two frozen models)."""
+    assert all(s["train_losses"] == got[0]["train_losses"] for s in got), f"{what}: every rank logs the same loss"
+    np.testing.assert_allclose(got[0]["train_losses"], single["train_losses"], rtol=rtol, err_msg=f"{what}: losses")
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows], what
+    for key in ("grad_norm", "aux_loss"):
+        np.testing.assert_allclose(
+            [r[key] for r in rows], [r[key] for r in ref_rows], rtol=rtol, err_msg=f"{what}: {key}"
+        )
+    # per-layer expert load of every layer, whichever stage holds it: identical counts
+    assert [r["expert_load"] for r in rows] == [r["expert_load"] for r in ref_rows], f"{what}: expert load"
+    assert got[0]["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=rtol), what
+    weights = assemble_stages(got, single["weights"])
+    for name, w in single["weights"].items():
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=lambda m: f"{what}: {name}: {m}")
+    assert single["train_losses"][-1] < single["train_losses"][0], f"{what}: {single['train_losses']}"
