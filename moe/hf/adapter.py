@@ -421,6 +421,14 @@ class Adapter:
             unknown = sorted(set(state) - set(own))
             if unknown:
                 raise AssertionError(f"the table read tensors the model does not have: {unknown[:6]}")
+            # as strict as one process's load_state_dict for the layers read: none of theirs left unread
+            keep = layer_blocks(model.cfg, layers)
+            block = lambda n: int(n.split(".")[1]) if n.startswith("blocks.") else -1 if n.startswith("embed.") else -2  # noqa: E731
+            missing = sorted(n for n in own if block(n) in keep and n not in state)
+            if missing:
+                raise AssertionError(
+                    f"{where}: the table left tensors of layers {sorted(layers)} unread: {missing[:6]}"
+                )
             for name, t in state.items():
                 own[name].copy_(t)
         model.hf_family = self.model_type

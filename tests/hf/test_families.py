@@ -220,6 +220,22 @@ def test_pipeline_layers_and_experts_are_read_alone(tmp_path, monkeypatch):
         block = name.split(".")[1] if name.startswith("blocks.") else None
         assert torch.equal(t, whole.state_dict()[name]) == (block in ("1", "2")), name
 
+    # a table that misses a row fails on a pipeline rank as strict loading does in one process
+    from moe.hf.adapter import Adapter
+
+    read = Adapter.read
+
+    def drop_one(self, *a, **k):
+        state = read(self, *a, **k)
+        for n in [n for n in state if n.startswith("blocks.2.")][:1]:
+            del state[n]
+        return state
+
+    monkeypatch.setattr(Adapter, "read", drop_one)
+    with pytest.raises(AssertionError, match=r"left tensors of layers \[2, 3\] unread: \['blocks\.2\."):
+        mh.import_model(path, layers={2, 3})
+    mh.import_model(path, layers={0, 1})  # the dropped row is not of these layers
+
 
 # ---------------------------------------------------------------------------------------------
 # refusals, each by its field, before any tensor is read
