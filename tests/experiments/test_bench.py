@@ -80,3 +80,52 @@ def test_data_step_bench_measures_the_loader_and_the_mask():
     assert r["L"] == 32 and r["none_s"] > 0 and r["mask_s"] > 0
     share = loader_share(["model=tiny", "train.batch_size=4", "train.seq_len=16", "data.document_mask=true"], 2)
     assert share["step_s"] > 0 and 0 < share["share"] < 1
+
+
+def _flops_by_hand(cfg) -> int:
+    # one token's forward, multiply-adds x 2: per block the q/k/v and output projections (d x 3d,
+    # d x d), the scores and weighted values over the whole L (2 x L x d each), the router (d x E) and
+    # top-k SwiGLU experts (3 matrices d x F each); then the head (d x V); backward twice the forward
+    m, L = cfg.model, cfg.train.seq_len
+    D, F, E, K, V = m.d_model, cfg.moe.d_ff, cfg.moe.num_experts, cfg.moe.top_k, m.vocab_size
+    block = 2 * D * 3 * D + 2 * D * D + 2 * (2 * L * D) + 2 * D * E + K * 3 * 2 * D * F
+    return 3 * (m.n_layers * block + 2 * D * V)
+
+
+def test_bpe_compute_counts_flops_and_matches_steps_as_by_hand():
+    pytest.importorskip("hydra")
+    from experiments.bench.bpe_compute import flops_per_token, matched_steps, runs
+    from tests.support.training import cfg_of
+
+    plan = runs("stdlib", None, [])
+    byte, bpe = cfg_of(*plan["bytes"]), cfg_of(*plan["bpe"])
+    bpe.model.vocab_size = 4096  # what the trainer fits to bpe:4096 (4096 ids, a multiple of 64)
+    assert byte.model.vocab_size == 256 and byte.train.steps == 400 and byte.model.d_model == 64  # the default
+    for cfg in (byte, bpe):
+        assert flops_per_token(cfg) == _flops_by_hand(cfg)
+    assert _flops_by_hand(byte) == 3_256_320 and _flops_by_hand(bpe) == 4_730_880  # the head: 1.45x
+    ref = 3_256_320 * 400 * 16 * 128
+    steps = matched_steps(ref, 16 * 128, 4_730_880)
+    assert steps == 275  # 275.33
+    assert abs(steps * 16 * 128 * 4_730_880 / ref - 1) < 0.002
+
+
+def test_bpe_compute_quick_trains_both_at_matched_flops(tmp_path):
+    pytest.importorskip("hydra")
+    pytest.importorskip("tokenizers")
+    import json
+    import math
+
+    from experiments.bench.bpe_compute import main
+
+    r = main(["--quick", "--out", str(tmp_path)])
+    byte, bpe = r["runs"]["bytes"], r["runs"]["bpe"]
+    # the BPE model's vocabulary is the fitted tokenizer's, its larger head buys fewer steps
+    assert byte["vocab_size"] == 256 and 256 < bpe["vocab_size"] <= 1024 and bpe["vocab_size"] % 64 == 0
+    assert bpe["steps"] < byte["steps"] and bpe["tokens"] == bpe["steps"] * 4 * 32
+    assert abs(r["flops_ratio"] - 1) <= 0.5 * bpe["flops_per_token"] / (byte["flops"] / (4 * 32))  # half a step
+    for name, run in r["runs"].items():
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["steps"] == summary["last_step"] == run["steps"], name
+        assert math.isfinite(run["val_loss"]) and math.isfinite(run["val_bpb"]), name
+    assert json.loads((tmp_path / "bpe_compute.json").read_text())["runs"]["bpe"]["steps"] == bpe["steps"]
