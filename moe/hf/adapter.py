@@ -36,7 +36,7 @@ import torch
 
 from ..config import MoEConfig
 from ..model import Transformer, TransformerConfig
-from .arch import TRAINING_MOE_FIELDS, architecture, describe, layer_blocks, placement_why
+from .arch import TRAINING_MOE_FIELDS, architecture, block_of, describe, layer_blocks, placement_why
 from .safetensors_io import (
     DEFAULT_SHARD_BYTES,
     SafetensorsFiles,
@@ -423,8 +423,7 @@ class Adapter:
                 raise AssertionError(f"the table read tensors the model does not have: {unknown[:6]}")
             # as strict as one process's load_state_dict for the layers read: none of theirs left unread
             keep = layer_blocks(model.cfg, layers)
-            block = lambda n: int(n.split(".")[1]) if n.startswith("blocks.") else -1 if n.startswith("embed.") else -2  # noqa: E731
-            missing = sorted(n for n in own if block(n) in keep and n not in state)
+            missing = sorted(n for n in own if block_of(n) in keep and n not in state)
             if missing:
                 raise AssertionError(
                     f"{where}: the table left tensors of layers {sorted(layers)} unread: {missing[:6]}"

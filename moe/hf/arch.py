@@ -82,6 +82,14 @@ def placement_why(cfg: TransformerConfig, back: TransformerConfig, family: str) 
     )
 
 
+def block_of(name: str) -> int:
+    """The block of our state-dict entry ``name`` as ``layer_blocks`` numbers them: i for
+    ``blocks.i.*``, -1 for the embedding, -2 for the final norm and the head."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1])
+    return -1 if name.startswith("embed.") else -2
+
+
 def layer_blocks(cfg: TransformerConfig, layers: set[int] | None) -> set[int]:
     """The blocks (and -1: the embedding, -2: the final norm and head) of pipeline ``layers`` (0 the
     embedding, i + 1 block i, n_layers + 1 the head); None: all."""
