@@ -1,5 +1,6 @@
 """``python -m experiments.plan --calibrate``: measure the machine this runs on and write a
-profile (``zero.plan.Profile``) under ``conf/cluster/``: matmul FLOP/s by size, a large copy's
+profile (``zero.plan.Profile``) under ``conf/cluster/``: matmul FLOP/s by size, causal attention's
+FLOP/s and backward-to-forward ratio by sequence length and head dim, a large copy's
 bandwidth, the fixed cost of one operator, the host optimizer's rate, other work's load on a shared
 host, and each collective by message size on 2 local ranks (gloo on a CPU, NCCL on 2+ GPUs; α, β by
 least squares). ``experiments.plan`` (the planner's CLI) dispatches ``--calibrate`` here.
@@ -78,7 +79,7 @@ def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    out: dict = {"matmul_flops": {}}
+    out: dict = {"matmul_flops": {}, "attention_flops": {}}
     # shapes [m, k, n]: tokens (or an expert's rows) by a model's widths
     ms = [256, 1024, 4096, 16384] if cuda else [64, 256, 1024, 4096]
     ks = [256, 1024, 4096, 8192] if cuda else [16, 64, 256, 1024]
@@ -89,12 +90,21 @@ def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
         for m in ms:
             for k in ks:
                 for n in ks:
-                    a = torch.randn(m, k, device=device, dtype=dtype)
-                    b = torch.randn(k, n, device=device, dtype=dtype)
+                    # a CPU's products in a training step find their operands out of cache (the
+                    # layers before evicted them): each call takes the next of enough operand pairs
+                    # to overflow it (64 MiB); a GPU's are bound by compute, not by its cache
+                    sets = 1 if cuda else max(1, min(64, (64 << 20) // ((m * k + k * n) * dtype.itemsize)))
+                    pairs = [
+                        (torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+                        for _ in range(sets)
+                    ]
                     flops = 2 * m * k * n
                     reps = 10 if cuda else max(2, min(20, int(2e8 / flops)))
-                    rows.append([m, k, n, flops / _time(lambda: torch.mm(a, b), reps, sync, best=best)])
+                    turn = iter(range(1 << 62))
+                    t = _time(lambda: torch.mm(*pairs[next(turn) % sets]), reps, sync, best=best)
+                    rows.append([m, k, n, flops / t])
         out["matmul_flops"][name] = rows
+        out["attention_flops"][name] = measure_attention(device, dtype, quick, sync, best)
     n = (1 << 28) if cuda else (1 << 24 if quick else 1 << 25)  # 1 GiB / 64-128 MiB of fp32
     src = torch.empty(n, device=device)
     dst = torch.empty_like(src)
@@ -128,6 +138,41 @@ def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
     return out
 
 
+def measure_attention(device, dtype, quick: bool = False, sync=lambda: None, best: bool = True) -> list:
+    """Causal SDPA, the model's attention kernel (``moe.attention.attend``), by sequence length L
+    and head dim J: ``[[L, J, flop_s, backward_ratio], ...]``, the forward's FLOP/s counted as
+    ``moe.costs`` counts attention (scores and weighted values, 2 L^2 J each, at half: causal) and
+    the backward's time over the forward's (dQ, dK, dV and the recomputed scores)."""
+    import torch
+    import torch.nn.functional as nnf
+
+    cuda = str(device).startswith("cuda")
+    Ls = [512, 2048, 8192] if cuda else [64, 128, 512]
+    Js = [64, 128, 192] if cuda else [16, 64, 128]
+    if quick:
+        Ls, Js = Ls[:2], Js[:2]
+    rows = []
+    for L in Ls:
+        for J in Js:
+            BH = max(8, (1 << 17) // L) if cuda else max(4, 4096 // L)  # batch x heads
+            q, k, v = (torch.randn(BH, 1, L, J, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad = torch.randn(BH, 1, L, J, device=device, dtype=dtype)
+            flops = 2 * (2 * L * L * J) * 0.5 * BH
+            reps = 10 if cuda else max(3, min(10, int(1e8 / flops)))
+
+            def fwd():
+                with torch.no_grad():
+                    nnf.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            def fwd_bwd():
+                nnf.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+            t_f = _time(fwd, reps, sync, best=best)
+            t_fb = _time(fwd_bwd, reps, sync, best=best)
+            rows.append([L, J, flops / t_f, max(t_fb - t_f, 1e-9) / t_f])
+    return rows
+
+
 def _busy_worker(rank: int, quick: bool, barrier, q) -> None:
     import torch
 
@@ -152,10 +197,15 @@ def measure_cpu_busy(cores: int, quick: bool = False) -> dict:
     for pr in procs:
         pr.join()
     runs = [m for _, m in sorted(got, key=lambda x: x[0])]
-    out = {"matmul_flops": {}}
+    out = {"matmul_flops": {}, "attention_flops": {}}
     for dtype, rows in runs[0]["matmul_flops"].items():
         out["matmul_flops"][dtype] = [
             [*row[:3], sum(r["matmul_flops"][dtype][i][3] for r in runs) / len(runs)] for i, row in enumerate(rows)
+        ]
+    for dtype, rows in runs[0]["attention_flops"].items():
+        out["attention_flops"][dtype] = [
+            [*row[:2], *(sum(r["attention_flops"][dtype][i][j] for r in runs) / len(runs) for j in (2, 3))]
+            for i, row in enumerate(rows)
         ]
     for key in ("memory_bandwidth", "op_overhead_s", "host_link_bandwidth", "host_adam_params_per_s"):
         out[key] = sum(r[key] for r in runs) / len(runs)
@@ -258,7 +308,14 @@ def run_calibrate(argv: list[str]) -> int:
     d = dict(base)
     d.update(name=name, notes="")
     sources = dict(base.get("sources") or {})
-    for key in ("matmul_flops", "memory_bandwidth", "op_overhead_s", "host_link_bandwidth", "host_adam_params_per_s"):
+    for key in (
+        "matmul_flops",
+        "attention_flops",
+        "memory_bandwidth",
+        "op_overhead_s",
+        "host_link_bandwidth",
+        "host_adam_params_per_s",
+    ):
         d[key] = m[key]
         sources[key] = f"measured by python -m experiments.plan --calibrate on {device}, " + (
             "best of repeats" if cuda else f"median of repeats, one process on each of the {cores} cores at once"

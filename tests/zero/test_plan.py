@@ -496,3 +496,64 @@ def test_the_busiest_expert_rank_sets_the_pace():
     assert p2.step_s > p1.step_s and p2.memory_bytes == p1.memory_bytes
     no_ep = zplan.LayoutRecord(world=2, batch_size=4)
     assert zplan.predict(no_ep, costs, flat, time_skew=1.5).step_s == zplan.predict(no_ep, costs, flat).step_s
+
+
+def test_attention_takes_its_kernels_measured_rate_and_backward():
+    """A profile with ``attention_flops`` times attention's products (scores, weighted values) at
+    the SDPA rate measured at the nearest (L, J) and its backward at the measured ratio; without
+    the table, at the matmul rate and 2.5 forwards. The rows interpolate in log space, exact at a
+    measured point; a profile file keeps them."""
+    from zero.plan.terms import _Costing
+
+    table = {"fp32": [[8, 8, 2e9, 3.0], [512, 64, 8e9, 2.0]]}
+    p = _profile(attention_flops=table, memory_bandwidth=1e30, op_overhead_s=0.0)
+    assert p.attention_rate("fp32", 8, 8) == (pytest.approx(2e9), pytest.approx(3.0))
+    assert p.attention_rate("bf16", 512, 64) == (pytest.approx(8e9), pytest.approx(2.0))  # the dtype it has
+    mid = p.attention_rate("fp32", 64, 23)
+    assert 2e9 < mid[0] < 8e9 and 2.0 < mid[1] < 3.0
+    assert _profile().attention_rate("fp32", 8, 8) is None
+    plain = _profile(memory_bandwidth=1e30, op_overhead_s=0.0)
+    costs, T = model_costs(model_config(cfg_of(*MODEL)), 8), 4 * 8
+    block = next(b for b in costs.blocks if b.is_moe)
+    attn = [mm for mm in block.matmuls if not mm.weight]
+    assert len(attn) == 2 and all(mm.fixed_rows == 8 for mm in attn)
+    flops = sum(mm.flops_per_token() for mm in attn) * T
+    r = zplan.LayoutRecord(world=1, batch_size=4)
+    with_t, without = _Costing(r, costs, p, None).compute(block), _Costing(r, costs, plain, None).compute(block)
+    rate, ratio = p.attention_rate("fp32", 8, attn[0].k)  # L = 8, J = the scores' k
+    by_hand = {k: without[k] for k in "FIW"}
+    mm_t = sum(mm.flops_per_token() * T / plain.matmul_rate("fp32", 8, mm.k, mm.n) for mm in attn)
+    by_hand["F"] += flops / rate - mm_t
+    by_hand["I"] += ratio * flops / rate - 2.5 * mm_t
+    for k in "FIW":
+        assert with_t[k] == pytest.approx(by_hand[k], rel=1e-9), k
+    with pytest.raises(ValueError, match=r"attention_flops.fp32 row \[8.0, 8.0, -1.0, 2.0\]"):
+        _profile(attention_flops={"fp32": [[8.0, 8.0, -1.0, 2.0]]})
+
+
+def test_each_pass_of_a_product_takes_the_rate_of_its_own_shape():
+    """The forward [rows, k] @ [k, n], the input gradient [rows, n] @ [n, k] and the weight gradient
+    [k, rows] @ [rows, n] each at the profile's rate for that shape: by hand on a profile whose
+    rate grows with the product's size, with no memory-bound term."""
+    from zero.plan.terms import _Costing
+
+    p = _profile(
+        matmul_flops={"fp32": [[8, 16, 32, 1e9], [32, 8, 16, 4e9], [16, 32, 8, 7e9], [64, 64, 64, 2e10]]},
+        memory_bandwidth=1e30,
+        op_overhead_s=0.0,
+    )
+    costs = model_costs(model_config(cfg_of(*MODEL)), 8)
+    r = zplan.LayoutRecord(world=1, batch_size=12)  # 96 rows: no two of the three shapes alike
+    c = _Costing(r, costs, p, None)
+    dense = costs.blocks[-1]  # the head: one product, nothing else
+    T = c.tokens
+    weight = [mm for mm in dense.matmuls if mm.weight and not mm.expert]
+    assert weight
+    got = c.compute(dense)
+    f = sum(mm.flops_per_token() * T / p.matmul_rate("fp32", T * mm.rows_per_token, mm.k, mm.n) for mm in weight)
+    i = sum(mm.flops_per_token() * T / p.matmul_rate("fp32", T * mm.rows_per_token, mm.n, mm.k) for mm in weight)
+    w = sum(mm.flops_per_token() * T / p.matmul_rate("fp32", mm.k, T * mm.rows_per_token, mm.n) for mm in weight)
+    assert len({round(f, 15), round(i, 15), round(w, 15)}) == 3  # the shapes' rates differ here
+    assert weight == list(dense.matmuls)
+    for key, by_hand in zip("FIW", (f, i, w)):
+        assert got[key] == pytest.approx(by_hand, rel=1e-9), key

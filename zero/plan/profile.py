@@ -109,6 +109,11 @@ class Profile:
     memory_shared_by_node: bool = False
     # the routed experts' kernel, which decides what they save per row (moe.costs): grouped (GPU) or fused (CPU)
     expert_kernel: str = "grouped"
+    # causal attention's kernel (SDPA) by dtype, sequence length L and head dim J:
+    # [[L, J, flop_s, backward_ratio], ...], the forward's FLOP/s (scores and values at half,
+    # causal, as moe.costs counts them) and the backward's time over the forward's. Without a row
+    # for the dtype, attention's products take the matmul rate (and a backward of 2.5 forwards)
+    attention_flops: dict[str, list[list[float]]] = field(default_factory=dict)
     notes: str = ""
     sources: dict[str, str] = field(default_factory=dict)  # field -> where its value comes from
 
@@ -132,9 +137,20 @@ class Profile:
                         f"or [m, k, n, flop_s]"
                     )
                 m, k, n = (r[0],) * 3 if len(r) == 2 else r[:3]
-                pts.append(((math.log(m), math.log(k), math.log(n)), math.log(r[-1])))
+                pts.append(((math.log(m), math.log(k), math.log(n)), (math.log(r[-1]),)))
             tables[dtype] = pts
         object.__setattr__(self, "_tables", tables)
+        attn = {}
+        for dtype, rows in self.attention_flops.items():
+            for r in rows:
+                if len(r) != 4 or any(not v > 0 for v in r):
+                    raise ValueError(
+                        f"profile {self.name}: attention_flops.{dtype} row {r} must be positive "
+                        f"[L, J, flop_s, backward_ratio]"
+                    )
+            if rows:
+                attn[dtype] = [((math.log(r[0]), math.log(r[1])), (math.log(r[2]), r[3])) for r in rows]
+        object.__setattr__(self, "_attn", attn)
         if not self.background_load >= 0:
             raise ValueError(f"profile {self.name}: background_load={self.background_load!r} must be >= 0")
 
@@ -144,18 +160,17 @@ class Profile:
         gives its own rate; one shape gives its rate everywhere). A dtype the profile lacks takes
         the first one it has."""
         pts = self._tables.get(dtype) or next(iter(self._tables.values()))
-        if len(pts) == 1:
-            return math.exp(pts[0][1])
-        x = (math.log(max(m, 1.0)), math.log(max(k, 1.0)), math.log(max(n, 1.0)))
-        num = den = 0.0
-        for p, y in pts:
-            d2 = (x[0] - p[0]) ** 2 + (x[1] - p[1]) ** 2 + (x[2] - p[2]) ** 2
-            if d2 < 1e-18:
-                return math.exp(y)
-            w = 1.0 / (d2 * d2)
-            num += w * y
-            den += w
-        return math.exp(num / den)
+        return math.exp(_interpolate(pts, (m, k, n))[0])
+
+    def attention_rate(self, dtype: str, L: float, J: float) -> tuple[float, float] | None:
+        """(FLOP/s of causal attention's forward, its backward's time over the forward's) at
+        sequence length ``L`` and head dim ``J``, interpolated as ``matmul_rate`` does; None when
+        the profile measured no attention (a dtype it lacks takes the first one it has)."""
+        pts = self._attn.get(dtype) or next(iter(self._attn.values()), None)
+        if pts is None:
+            return None
+        log_rate, ratio = _interpolate(pts, (L, J))
+        return math.exp(log_rate), ratio
 
     def link(self, tier: str, op: str) -> AlphaBeta:
         return self.collectives[tier][op]
@@ -194,10 +209,27 @@ class Profile:
         for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s", "background_load"):
             if key in d:
                 d[key] = float(d[key])
-        d["matmul_flops"] = {
-            k: [[float(x) for x in row] for row in v] for k, v in (d.get("matmul_flops") or {}).items()
-        }
+        for key in ("matmul_flops", "attention_flops"):
+            d[key] = {k: [[float(x) for x in row] for row in v] for k, v in (d.get(key) or {}).items()}
         return cls(**d)
+
+
+def _interpolate(pts, at) -> tuple:
+    """The values at ``at`` of a table ``[(log point, values), ...]``: inverse-distance weights in
+    log space, power 4 (the nearest points dominate); a measured point gives its own values, one
+    point its values everywhere."""
+    if len(pts) == 1:
+        return pts[0][1]
+    x = [math.log(max(v, 1.0)) for v in at]
+    num, den = [0.0] * len(pts[0][1]), 0.0
+    for p, y in pts:
+        d2 = sum((a - b) ** 2 for a, b in zip(x, p))
+        if d2 < 1e-18:
+            return y
+        w = 1.0 / (d2 * d2)
+        num = [acc + w * v for acc, v in zip(num, y)]
+        den += w
+    return tuple(v / den for v in num)
 
 
 def available_profiles() -> list[str]:

@@ -163,17 +163,26 @@ class _Costing:
             else:
                 rows = mm.fixed_rows or T * mm.rows_per_token
                 flops = mm.flops_per_token() * T
-            t = flops / p.matmul_rate(self.dtype, rows, mm.k, mm.n)
-            if mm.weight:  # the roofline: a thin product is bound by its operands' bytes
-                c = 2 if self.dtype == "bf16" else 4
-                products = b.num_experts // rec.ep if mm.expert else 1
-                t = max(t, c * products * (rows * mm.k + mm.k * mm.n + rows * mm.n) / p.memory_bandwidth)
-            f += t
-            if mm.weight:
-                i += t
-                w += t
-            else:  # attention's backward: dQ, dK, dV and the recomputed scores, ~2.5x its forward
-                i += 2.5 * t
+            if not mm.weight:  # attention's scores or weighted values: its kernel's rate where measured
+                L = mm.fixed_rows or rows
+                attn = p.attention_rate(self.dtype, L, mm.n if mm.k == L else mm.k)
+                if attn is not None:
+                    f += flops / attn[0]
+                    i += attn[1] * flops / attn[0]
+                else:  # the backward: dQ, dK, dV and the recomputed scores, ~2.5x its forward
+                    t = flops / p.matmul_rate(self.dtype, rows, mm.k, mm.n)
+                    f += t
+                    i += 2.5 * t
+                continue
+            # each pass at its own product's shape: the forward [rows, k] @ [k, n], the input
+            # gradient [rows, n] @ [n, k], the weight gradient [k, rows] @ [rows, n]; the roofline:
+            # a thin product is bound by its operands' bytes
+            c = 2 if self.dtype == "bf16" else 4
+            products = b.num_experts // rec.ep if mm.expert else 1
+            floor = c * products * (rows * mm.k + mm.k * mm.n + rows * mm.n) / p.memory_bandwidth
+            f += max(flops / p.matmul_rate(self.dtype, rows, mm.k, mm.n), floor)
+            i += max(flops / p.matmul_rate(self.dtype, rows, mm.n, mm.k), floor)
+            w += max(flops / p.matmul_rate(self.dtype, mm.k, rows, mm.n), floor)
         held = b.params_dense + b.params_expert / rec.ep
         weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
         elem = T * b.elementwise_bytes / p.memory_bandwidth
