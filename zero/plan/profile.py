@@ -109,6 +109,10 @@ class Profile:
     memory_shared_by_node: bool = False
     # the routed experts' kernel, which decides what they save per row (moe.costs): grouped (GPU) or fused (CPU)
     expert_kernel: str = "grouped"
+    # the collective library's own copies (gloo: a reduce-scatter clones its input, an all-gather
+    # gathers into a buffer of its own before copying out; NCCL works in place): each such
+    # collective in flight holds one more full-size copy of its tensor
+    collective_copies: bool = False
     notes: str = ""
     sources: dict[str, str] = field(default_factory=dict)  # field -> where its value comes from
 
