@@ -333,6 +333,7 @@ def run_calibrate(argv: list[str]) -> int:
             device_memory_bytes=float(mem),
             memory_shared_by_node=True,
             expert_kernel="fused",
+            collective_copies=True,
             node_size=16,
             compute_slots=cores,
         )
@@ -340,6 +341,7 @@ def run_calibrate(argv: list[str]) -> int:
         d["background_load"] = background_load(cores, 0.5 if a.quick else 2.0)
         sources["background_load"] = "other work in busy processes: cores / (a busy process's share of a core) - cores"
         sources["expert_kernel"] = "the CPU's routed-expert kernel (routing_kernels.cpu_experts)"
+        sources["collective_copies"] = "gloo: reduce-scatter and all-gather copy their tensor (zero.plan.profile)"
         sources["device_memory_bytes"] = "os.sysconf: the host's memory, shared by its ranks"
         sources["node_size"] = "every local rank is in one node (one host; gloo over loopback)"
         sources["compute_slots"] = "os.cpu_count(): ranks beyond it share cores"

@@ -110,20 +110,34 @@ EXPERT_KERNELS = ("grouped", "fused")
 
 
 def _fused_pool(D: int, F: int, swiglu: bool) -> dict:
-    """The buffers the CPU expert kernel's pool (``routing_kernels.cpu.blocks``) keeps per layer
-    beyond what autograd saves (h1, h3) and the weight gradients (p.grad), one lane: the forward's
-    activation block and the backward's four scratch blocks ([block, F]); in tokens mode the
-    gathered-input and gradient blocks ([block, D]), the rows buffer ([rows + 1, D]: the forward's
-    outputs, then the backward's input gradients) and the layer's output and input gradient in
-    token order ([T, D]); in rows mode the output and input-gradient rows ([rows, D]); under
-    activation checkpointing h1 (and h3), which the pool keeps while the block is not recomputed."""
-    from routing_kernels.cpu.lanes import ROW_BLOCK
+    """The buffers the CPU expert kernel (``routing_kernels.cpu.blocks``) takes from its pool per
+    layer beyond what autograd saves (h1, h3), one lane, each with the passes that use it: the
+    forward's activation block and the backward's four scratch blocks ([block, F]); in tokens mode
+    the gathered-input block (both passes) and the gradient block ([block, D]), the rows buffer
+    ([rows + 1, D]: the forward's outputs, then the backward's input gradients), the layer's output
+    (forward) and input gradient (backward) in token order ([T, D]); in rows mode the output and
+    input-gradient rows ([rows, D]); the weight gradients ([experts, D x F] each, in the compute
+    weights' dtype: lent as p.grad, which the engine adds into its flat buffer and drops, so the
+    pool keeps them); h1 (and h3), saved (mode "ckpt": under activation checkpointing idle in the
+    pool between passes). A buffer under ``BufferPool.min_bytes`` comes from the heap instead,
+    for the pass that uses it only. Also the combine's chunk of rows back into token order
+    (``pool_combine_tokens`` tokens of top_k rows, from the heap) and the weight gradients'
+    count (all of them returned at once)."""
+    from routing_kernels.cpu.lanes import COMBINE_BLOCK_T, ROW_BLOCK
     from routing_kernels.cpu.pool import BufferPool
 
-    bufs = [("block", F, "both")] * 5 + [("block", D, "tokens")] * 2 + [("rows+1", D, "tokens")]
-    bufs += [("tokens", D, "tokens")] * 2 + [("rows", D, "rows")] * 2
-    bufs += [("bound", F, "ckpt")] * (2 if swiglu else 1)  # h1 (and h3)
-    return dict(pool_buffers=tuple(bufs), pool_block_rows=ROW_BLOCK, pool_min_bytes=BufferPool.min_bytes)
+    bufs = [("block", F, "both", "F")] + [("block", F, "both", "B")] * 4
+    bufs += [("block", D, "tokens", "FB"), ("block", D, "tokens", "B"), ("rows+1", D, "tokens", "FB")]
+    bufs += [("tokens", D, "tokens", "F"), ("tokens", D, "tokens", "B")]
+    bufs += [("rows", D, "rows", "F"), ("rows", D, "rows", "B")]
+    bufs += [("experts", D * F, "both", "B")] * (3 if swiglu else 2)  # dw1 (dw3) dw2
+    bufs += [("bound", F, "ckpt", "FB")] * (2 if swiglu else 1)  # h1 (and h3)
+    return dict(
+        pool_buffers=tuple(bufs),
+        pool_block_rows=ROW_BLOCK,
+        pool_min_bytes=BufferPool.min_bytes,
+        pool_combine_tokens=COMBINE_BLOCK_T,
+    )
 
 
 def model_costs(
@@ -185,8 +199,10 @@ def model_costs(
                 row_saved = c * m.d_ff * (2 if m.activation == "swiglu" else 1) + 12
             saved += K * row_saved
             wgrad += e_wgrad
-            # the fused kernel's backward works in its pool's blocks (kernel_buffers), not in [rows, F] temporaries
-            transient = max(transient, (e_transient if experts == "grouped" else 0) + 2 * c * D * K)
+            # the fused kernel's backward works in its pool's buffers, or heap ones of the same
+            # shapes (``_fused_pool``; zero.plan's kernel_buffers and workspace), not in [rows, F] temporaries
+            if experts == "grouped":
+                transient = max(transient, e_transient + 2 * c * D * K)
             if m.num_shared_experts:
                 s_mms, s_params, s_saved, s_wgrad, s_transient = _ffn(
                     D, m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c
@@ -253,6 +269,7 @@ def model_costs(
             wgrad_bytes=c * D + 4 * V,
             transient_bytes=4 * V + c * V,  # the logits' gradient, fp32 and in the compute dtype
             boundary_bytes=0.0,
+            output_bytes=c * V,  # the logits (a pipeline's last stage keeps them until the backward)
             shares_params_with=0 if tied else None,
         )
     )

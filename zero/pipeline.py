@@ -278,7 +278,15 @@ class Pipeline:
         # every backward accumulates locally, including the one the schedule's first step runs to
         # infer the gradients' shapes; start_reduction() follows the last real one
         with self.engine.no_sync():
-            run(*args, target=y if self.is_last else None, losses=losses if self.is_last else None, **kwargs)
+            # return_outputs=False: the losses are all the step returns, and torch's last stage would
+            # otherwise keep every micro-batch's output (the logits) until the next step
+            run(
+                *args,
+                target=y if self.is_last else None,
+                losses=losses if self.is_last else None,
+                return_outputs=False,
+                **kwargs,
+            )
         out = [self._unscaled[id(loss)] for loss in losses]
         self._unscaled = {}
         return out

@@ -218,6 +218,9 @@ class Trainer:
                 with precision_context(cfg, device):
                     logits_BLV = self.model(x, **kw)
                 loss = lm_loss(logits_BLV, y)
+                # the backward needs the loss's log-probabilities, not the logits: held here, they
+                # would stay alive through the whole backward (batch x seq x vocab)
+                del logits_BLV
                 (loss / accum).backward()
             loss_step += loss.detach() / accum
         return loss_step
@@ -243,7 +246,7 @@ class Trainer:
         self.sums.steps_run += 1
         self.sums.add_comm(self.engine.comm_bytes())  # a skipped step moved its bytes too
         if self.guard.update(self.engine, step + 1):
-            self.guard.discard_load()
+            self.guard.discard_load(self.model)
         else:
             moe.update_expert_biases(self.model)  # aux-loss-free balancing; a no-op unless moe.expert_bias
             self.sums.add(loss_step, gnorm, stats)

@@ -25,10 +25,13 @@ class NonFiniteError(RuntimeError):
 
 class StepGuard:
     def __init__(self, model: torch.nn.Module, max_bad_steps: int, world: int):
+        # ``model``: the whole model, before a pipeline drops the other stages' layers. Only the
+        # names are kept: a reference to a layer would keep a dropped stage's weights alive
         name_of = {m: n for n, m in model.named_modules()}
-        self.layers = model.moe_layers()
         # one name per entry of flags(), in the same order
-        self.names = [f"the {q} of MoE layer {name_of[layer]}" for layer in self.layers for q in ("aux_loss", "z_loss")]
+        self.names = [
+            f"the {q} of MoE layer {name_of[layer]}" for layer in model.moe_layers() for q in ("aux_loss", "z_loss")
+        ]
         self.names.append("the loss")
         self.max_bad_steps = max_bad_steps
         self.world = world
@@ -72,7 +75,8 @@ class StepGuard:
             f"diverging run usually needs a lower learning rate (optim.lr={lr:g} at this step)"
         )
 
-    def discard_load(self) -> None:
-        """A skipped step's routed load must not move the aux-loss-free expert biases either."""
-        for layer in self.layers:
+    def discard_load(self, model: torch.nn.Module) -> None:
+        """A skipped step's routed load must not move the aux-loss-free expert biases either
+        (``model``: this rank's, whose layers ran)."""
+        for layer in model.moe_layers():
             layer.load_since_update.zero_()

@@ -18,21 +18,29 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
                     members on one node), from the block's first forward to the step
     grad_buffers    ZeRO-2/3: the full-size local gradient buffers; ``zero.flat`` frees them only
                     once the step's reductions are waited for, so during a backward they add to the
-                    shards ``predict_memory`` counts
+                    shards ``predict_memory`` counts; where the profile's collectives copy
+                    (``collective_copies``: gloo) also each reduce-scatter in flight, a full
+                    copy of a layer's gradients from its backward's end to the backward's
+                    (ZeRO-3's prefetch in flight: one more gathered block)
     activations     saved for backward, per micro-batch times the number the schedule keeps alive
                     (from the schedule's own order: forwards whose backward has not run; 1 without
-                    a pipeline), at the mean expert load
+                    a pipeline), at the mean expert load; under a pipeline also torch's stage
+                    buffers (one input and one output gradient per micro-batch, each live
+                    forward's output: the last stage's logits) and the kernel pool's saved
+                    hiddens at the most micro-batches alive at once on their stage
     expert_rows     the routed rows beyond the mean load, at the worst case: under a capacity
                     E_local x capacity bounds them exactly; dropless takes ``skew`` (default the
                     worst case: every token of the ep group routed to this rank's experts)
     a2a_buffers     one MoE layer's send and receive buffers of rows (worst case)
     workspace       the backward's working memory of one layer (the loss's fp32 logits at the
-                    head), and with activation checkpointing the recomputed block's activations:
-                    without a pipeline and accumulation, the layer's whose backward is running at
+                    head; the CPU expert kernel's heap buffers and its weight gradients, all
+                    alive until the engine's hook adds them in: ``_Costing.kernel_backward``),
+                    and with activation checkpointing the recomputed block's activations:
+                    without a pipeline, the layer's whose (last micro-batch's) backward runs at
                     the peak (activations, gradients and it together); else the largest
     kernel_buffers  what kernels keep allocated from step to step beyond what they save: the CPU
                     expert kernel's buffer pool (``routing_kernels.cpu.pool``: per MoE layer its
-                    block scratch and row buffers of 1 MB or more, one lane: one thread per rank;
+                    block scratch, row buffers and weight gradients of 1 MB or more, one lane;
                     under activation checkpointing also its saved hiddens, idle between passes)
 
 Step time. Each matrix product at the profile's FLOP/s for its size, each elementwise byte at its
@@ -154,10 +162,29 @@ def predict(
     rank_stages = [[0] for _ in ranks] if plan is None else [plan.stages_of(r) for r in ranks]
     rank_layers = [[j for s in rank_stages[r] for j in range(*stages[s])] for r in ranks]
     if plan is not None:
-        stage_act = [sum(saved(j) for j in range(*stages[s])) for s in range(len(stages))]
-        stage_keep = [sum(keep(j) for j in range(*stages[s])) for s in range(len(stages))]
-        stage_extra = [sum(extra_rows(j) for j in range(*stages[s])) for s in range(len(stages))]
+        n_st, m = len(stages), plan.microbatches
+        # torch's stages: every stage but the first receives its input into a buffer of its own
+        # per micro-batch, every stage but the last its output's gradient, kept from step to step;
+        # each forward's output is kept until its backward (the last stage's: the logits)
+        recv_in = [T * blocks[lo - 1].boundary_bytes if s > 0 else 0.0 for s, (lo, _) in enumerate(stages)]
+        recv_grad = [T * blocks[hi - 1].boundary_bytes if s < n_st - 1 else 0.0 for s, (_, hi) in enumerate(stages)]
+        out = [
+            T * (blocks[hi - 1].boundary_bytes if s < n_st - 1 else blocks[hi - 1].output_bytes)
+            for s, (_, hi) in enumerate(stages)
+        ]
+        # the received input is what the stage's first layer saves of it (its norm's fp32 input;
+        # a checkpointed block's input) unless that saves a copy (an fp32 copy of bf16)
+        own_input = ckpt or cst.dtype == "fp32"
+        # the saved hiddens the CPU expert kernel's pool holds: as many per layer as were alive at once
+        hidden = [0.0 if ckpt else sum(cst.pooled_saved(blocks[j]) for j in range(*stages[s])) for s in range(n_st)]
+        stage_act = [
+            sum(saved(j) for j in range(*stages[s])) - hidden[s] + out[s] - (recv_in[s] if own_input else 0.0)
+            for s in range(n_st)
+        ]
+        stage_keep = [sum(keep(j) for j in range(*stages[s])) for s in range(n_st)]
+        stage_extra = [sum(extra_rows(j) for j in range(*stages[s])) for s in range(n_st)]
         live = live_plan(plan, stage_act, stage_keep, stage_extra)
+        stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
     per_rank = []
     for r in ranks:
         layers = rank_layers[r]
@@ -195,7 +222,15 @@ def predict(
                 own = [0.0 if _is_tied(blocks, j) else f for j, f in zip(layers, full)]
                 pairs = [own[a] + own[a + 1] for a in range(len(own) - 1)] or own
                 parts["gathered_params"] += max(pairs) + root
-        work = [blocks[j].transient_bytes * T for j in layers]
+                if profile.collective_copies:  # the prefetch in flight gathers into a buffer of its own
+                    parts["gathered_params"] += max(own, default=0.0)
+        # the reduction of a layer's gradients starts once its backward is done and is waited for at
+        # the backward's end; a reduce-scatter in flight holds a copy of its input where the library
+        # copies (stages 1-3; qgZ's all-to-alls send quantized rows instead)
+        copy_rs = profile.collective_copies and rec.zero_stage >= 1 and not rec.zero_qgz
+        in_flight = full if copy_rs else [0.0] * len(layers)
+        # a layer's backward works in the larger of its own temporaries and its kernel's
+        work = [max(blocks[j].transient_bytes * T, cst.kernel_backward(blocks[j])) for j in layers]
         if ckpt:
             # the recomputed block's activations (its kernel's saved buffers are kernel_buffers)
             work = [
@@ -206,24 +241,25 @@ def predict(
         if plan is None:
             acts = [saved(j) for j in layers]
             xs = [extra_rows(j) for j in layers]
-            if rec.grad_accum == 1:
-                # one backward: activations drain layer by layer as gradient buffers fill, and the
-                # working memory is the layer's whose backward runs
-                best, arg = -1.0, 0
-                for k in range(len(layers)):
-                    v = sum(acts[: k + 1]) + sum(xs[: k + 1]) + sum(grad_full[k:]) + work[k]
-                    if v > best:
-                        best, arg = v, k
-                parts["activations"] = sum(acts[: arg + 1])
-                parts["expert_rows"] = sum(xs[: arg + 1])
-                parts["grad_buffers"] = sum(grad_full[arg:])
-                workspace = work[arg]
-            else:  # earlier micro-batches' gradients are all there while the last one runs
-                parts["activations"], parts["expert_rows"] = sum(acts), sum(xs)
-                parts["grad_buffers"] = sum(grad_full)
+            # the (last micro-batch's) backward: activations drain layer by layer as gradient
+            # buffers fill (with accumulation the earlier micro-batches' are all there) and the
+            # reductions of the layers done are in flight; the working memory is the layer's whose
+            # backward runs
+            best, arg = -1.0, 0
+            for k in range(len(layers)):
+                grads = sum(grad_full[k:] if rec.grad_accum == 1 else grad_full) + sum(in_flight[k + 1 :])
+                v = sum(acts[: k + 1]) + sum(xs[: k + 1]) + grads + work[k]
+                if v > best:
+                    best, arg = v, k
+            parts["activations"] = sum(acts[: arg + 1])
+            parts["expert_rows"] = sum(xs[: arg + 1])
+            parts["grad_buffers"] = sum(grad_full[arg:] if rec.grad_accum == 1 else grad_full)
+            parts["grad_buffers"] += sum(in_flight[arg + 1 :])
+            workspace = work[arg]
             count = 1
         else:
-            parts["activations"], parts["expert_rows"] = live.peak_bytes[r], live.peak_extra[r]
+            held = sum(stage_held[s] for s in rank_stages[r])
+            parts["activations"], parts["expert_rows"] = live.peak_bytes[r] + held, live.peak_extra[r]
             parts["grad_buffers"] = sum(grad_full)  # under no_sync the whole step
             count = live.peak_count[r]
         moe_layers = [blocks[j] for j in layers if blocks[j].is_moe]

@@ -114,6 +114,10 @@ class Profile:
     # causal, as moe.costs counts them) and the backward's time over the forward's. Without a row
     # for the dtype, attention's products take the matmul rate (and a backward of 2.5 forwards)
     attention_flops: dict[str, list[list[float]]] = field(default_factory=dict)
+    # the collective library's own copies (gloo: a reduce-scatter clones its input, an all-gather
+    # gathers into a buffer of its own before copying out; NCCL works in place): each such
+    # collective in flight holds one more full-size copy of its tensor
+    collective_copies: bool = False
     notes: str = ""
     sources: dict[str, str] = field(default_factory=dict)  # field -> where its value comes from
 

@@ -41,6 +41,7 @@ class BlockCost:
     wgrad_bytes: float = 0.0  # of act_bytes: what the weight pass still needs after the input pass
     transient_bytes: float = 0.0  # the backward's working memory beyond what is saved
     boundary_bytes: float = 0.0  # handed to the next layer (a pipeline's point-to-point)
+    output_bytes: float = 0.0  # the output of a layer that hands nothing on (the head's logits)
     # MoE layers
     num_experts: int = 0
     top_k: int = 0
@@ -51,16 +52,20 @@ class BlockCost:
     routing_bytes: float = 0.0  # per token, what a capacity's decision gathers over dp (ids and weights)
     shares_params_with: int | None = None  # tied: the layer whose weight this one uses (held once)
     # what the layer's kernel keeps allocated from step to step beyond what it saves (the CPU expert
-    # kernel's buffer pool): buffers of rows x width elements, (kind, width, mode); rows by kind:
-    # "block" pool_block_rows (a block buffer is whole however few rows use it), "rows" the routed
-    # rows ("rows+1" and a zero row), "tokens" the layer's tokens, "bound" the kernel's static bound
-    # on the rows (the worst case; ep > 1: the rows received);
-    # mode "tokens" (ep = 1), "rows" (ep > 1, rows in expert order), "both", or "ckpt" (what the
-    # layer saves, idle in the pool between passes under activation checkpointing); each buffer is kept
-    # only at pool_min_bytes or more (smaller ones come from the heap)
-    pool_buffers: tuple[tuple[str, int, str], ...] = ()
+    # kernel's buffer pool): buffers of rows x width elements, (kind, width, mode, passes); rows by
+    # kind: "block" pool_block_rows (a block buffer is whole however few rows use it), "rows" the
+    # routed rows ("rows+1" and a zero row), "tokens" the layer's tokens, "bound" the kernel's static
+    # bound on the rows (the worst case; ep > 1: the rows received), "experts" this rank's experts
+    # (a weight gradient, in the compute weights' dtype; the rest in the activations'); mode
+    # "tokens" (ep = 1), "rows" (ep > 1, rows in expert order), "both", or "ckpt" (what the layer
+    # saves, idle in the pool between passes under activation checkpointing); passes "F", "B" or
+    # "FB": which pass takes it. A buffer is kept only at pool_min_bytes or more; a smaller one
+    # comes from the heap for its pass (the backward's: workspace). pool_combine_tokens: tokens per
+    # chunk of the backward's combine into token order (top_k rows each, from the heap)
+    pool_buffers: tuple[tuple[str, int, str, str], ...] = ()
     pool_block_rows: int = 0
     pool_min_bytes: int = 0
+    pool_combine_tokens: int = 0
 
     @property
     def is_moe(self) -> bool:

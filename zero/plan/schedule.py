@@ -99,6 +99,8 @@ class LiveActivations:
     peak_bytes: tuple[float, ...]  # per rank: the most activation bytes alive at once
     peak_extra: tuple[float, ...]  # per rank: the second accumulator at that same moment
     peak_count: tuple[int, ...]  # per rank: the most (stage, micro-batch) forwards alive at once
+    # per stage: the most of its micro-batches' forwards alive at once (whatever the rank's moment)
+    stage_peak_count: tuple[int, ...] = ()
 
 
 def live_activations(orders, act, keep, extra=None) -> LiveActivations:
@@ -107,6 +109,7 @@ def live_activations(orders, act, keep, extra=None) -> LiveActivations:
     schedule's timing does not change which forwards are alive, only the order does."""
     extra = extra or [0.0] * len(act)
     peaks, extras, counts = [], [], []
+    stage_alive, stage_most = [0] * len(act), [0] * len(act)
     for groups in orders:
         live = x = 0.0
         best = (0.0, 0.0)
@@ -117,23 +120,27 @@ def live_activations(orders, act, keep, extra=None) -> LiveActivations:
                     live += act[s]
                     x += extra[s]
                     alive += 1
+                    stage_alive[s] += 1
+                    stage_most[s] = max(stage_most[s], stage_alive[s])
                 elif kind == "I":
                     live -= act[s] - keep[s]
                     x -= extra[s]
                     alive -= 1
+                    stage_alive[s] -= 1
                 elif kind == "W":
                     live -= keep[s]
                 else:  # B
                     live -= act[s]
                     x -= extra[s]
                     alive -= 1
+                    stage_alive[s] -= 1
                 if live + x > best[0] + best[1]:
                     best = (live, x)
                 most = max(most, alive)
         peaks.append(best[0])
         extras.append(best[1])
         counts.append(most)
-    return LiveActivations(tuple(peaks), tuple(extras), tuple(counts))
+    return LiveActivations(tuple(peaks), tuple(extras), tuple(counts), tuple(stage_most))
 
 
 def _deps(kind: str, s: int, mb: int, num_stages: int) -> list[tuple]:

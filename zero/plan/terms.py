@@ -129,25 +129,68 @@ class _Costing:
         worst = bound if self.skew is None else min(self.skew * mean, bound)
         return mean, max(worst, mean)
 
-    def pooled(self, b: BlockCost, saved_only: bool = False) -> float:
-        """Bytes layer ``b``'s kernel keeps from step to step (``BlockCost.pool_buffers``), one lane;
-        ``saved_only``: of those, the buffers of what the layer saves, idle under checkpointing."""
+    def _pool_bytes(self, b: BlockCost, kind: str, width: int) -> float:
+        """Bytes of one of layer ``b``'s kernel buffers (``BlockCost.pool_buffers``)."""
         rec = self.rec
-        modes = {"both", "rows" if rec.ep > 1 else "tokens"} | ({"ckpt"} if rec.checkpoint_activations else set())
-        if saved_only:
-            modes = {"ckpt"} & modes
         mean, worst = self.rows(b) if b.is_moe else (0.0, 0.0)
         # the saved buffers' rows: the kernel's static bound (tokens mode) or the rows received
         bound = mean if rec.ep > 1 else worst
-        c = 2 if self.dtype == "bf16" else 4
+        rows = {
+            "block": b.pool_block_rows,
+            "rows": mean,
+            "rows+1": mean + 1,
+            "tokens": self.tokens,
+            "bound": bound,
+            "experts": b.num_experts // rec.ep,
+        }[kind]
+        c = self.c_w if kind == "experts" else (2 if self.dtype == "bf16" else 4)
+        return rows * width * c
+
+    def _pool_modes(self) -> set[str]:
+        rec = self.rec
+        return {"both", "rows" if rec.ep > 1 else "tokens"} | ({"ckpt"} if rec.checkpoint_activations else set())
+
+    def pooled(self, b: BlockCost, saved_only: bool = False) -> float:
+        """Bytes layer ``b``'s kernel keeps from step to step (``BlockCost.pool_buffers``), one lane;
+        ``saved_only``: of those, the buffers of what the layer saves, idle under checkpointing."""
+        modes = self._pool_modes()
+        if saved_only:
+            modes = {"ckpt"} & modes
         total = 0.0
-        for kind, width, m in b.pool_buffers:
-            if m not in modes:
-                continue
-            rows = {"block": b.pool_block_rows, "rows": mean, "rows+1": mean + 1, "tokens": self.tokens, "bound": bound}
-            nbytes = rows[kind] * width * c
-            if nbytes >= b.pool_min_bytes:
-                total += nbytes
+        for kind, width, m, _ in b.pool_buffers:
+            if m in modes:
+                nbytes = self._pool_bytes(b, kind, width)
+                if nbytes >= b.pool_min_bytes:
+                    total += nbytes
+        return total
+
+    def pooled_saved(self, b: BlockCost) -> float:
+        """Bytes of what layer ``b`` saves that its kernel's pool holds (h1, h3: mode "ckpt"), one
+        micro-batch, with or without checkpointing: a pool keeps as many as were alive at once."""
+        total = 0.0
+        for kind, width, m, _ in b.pool_buffers:
+            if m == "ckpt":
+                nbytes = self._pool_bytes(b, kind, width)
+                if nbytes >= b.pool_min_bytes:
+                    total += nbytes
+        return total
+
+    def kernel_backward(self, b: BlockCost) -> float:
+        """The heap bytes layer ``b``'s kernel takes while its backward runs: the backward's buffers
+        under the pool's threshold (the weight gradients among them, all returned at once and
+        alive until the engine's hook adds them into its flat buffer) and, in tokens mode, one
+        chunk of the combine into token order; the pool's own buffers are kernel_buffers."""
+        if not b.pool_buffers:
+            return 0.0
+        modes = self._pool_modes() - {"ckpt"}
+        total = 0.0
+        for kind, width, m, passes in b.pool_buffers:
+            if m in modes and "B" in passes:
+                nbytes = self._pool_bytes(b, kind, width)
+                if nbytes < b.pool_min_bytes:
+                    total += nbytes
+        if self.rec.ep == 1 and b.pool_combine_tokens:
+            total += min(self.tokens, b.pool_combine_tokens) * b.top_k * b.row_bytes
         return total
 
     def compute(self, b: BlockCost) -> dict[str, float]:
