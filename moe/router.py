@@ -73,8 +73,9 @@ def capacity_keep_mask(
     )
     starts = torch.cumsum(counts, 0) - counts
     rank_sorted = torch.arange(A, device=flat_ids.device) - starts[flat_ids[order]]
-    rank = torch.empty_like(rank_sorted)
-    rank[order] = rank_sorted
+    # rank[order] = rank_sorted as a gather by the inverse permutation: no write into an empty tensor
+    # under torch.compile (routing_kernels.reference.routing_metadata)
+    rank = rank_sorted[torch.argsort(order)]
     return (rank < cap).view_as(expert_ids_TK)
 
 

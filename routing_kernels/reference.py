@@ -29,7 +29,8 @@ def routing_metadata(expert_ids_TK: torch.Tensor, num_experts: int):
 
     Everything stays on the device and every shape is known from the input's: the counts are a
     scatter-add into E + 1 bins (``bincount``'s output size depends on the data, which
-    ``torch.compile`` cannot trace), the rows a stable sort.
+    ``torch.compile`` cannot trace), the rows a stable sort and its inverse permutation (a second
+    sort).
     """
     T, K = expert_ids_TK.shape
     flat_A = expert_ids_TK.reshape(-1).long()
@@ -40,8 +41,10 @@ def routing_metadata(expert_ids_TK: torch.Tensor, num_experts: int):
     counts_E = counts_E.scatter_add_(0, key_A, torch.ones_like(key_A))[:num_experts]
     offsets_E1 = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)])
     order_A = torch.argsort(key_A, stable=True)
-    dest_A = torch.empty_like(flat_A)
-    dest_A[order_A] = torch.arange(flat_A.numel(), device=flat_A.device)
+    # each assignment's row, the inverse permutation of order_A: a second sort rather than a write
+    # into an empty tensor (dest_A[order_A] = arange), which Inductor ran after a read of dest_A in
+    # an inference graph (eval mode), so the experts got rows that no assignment fills
+    dest_A = torch.argsort(order_A)
     dest_A = torch.where(valid_A, dest_A, torch.full_like(dest_A, -1))
     return counts_E, offsets_E1, dest_A.view(T, K)
 

@@ -1,6 +1,7 @@
 """torch.compile of the MoE path on the CPU: graph breaks per block, compiled against eager (forward,
 every gradient, statistics, a training curve), activation checkpointing, expert parallelism's one
-isolated host read.
+isolated host read, and the routing's traced graph (no scatter into an empty tensor: Inductor
+misordered one).
 
 The compiled runs use the ``aot_eager`` backend: dynamo and AOTAutograd trace, functionalise and
 partition the graph exactly as for Inductor, but the graph then runs eager aten kernels, so a
@@ -276,3 +277,54 @@ def test_expert_parallel_count_exchange_is_the_one_break():
         assert count <= 4 and graphs == count + 1, breaks
         assert _close(y_e, y_c)
         assert all(_close(a, b) for a, b in zip(g_e, g_c))
+
+
+_EMPTY = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.new_empty}
+_SCATTERS = {
+    torch.ops.aten.index_put,
+    torch.ops.aten.index_put_,
+    torch.ops.aten._index_put_impl_,
+    torch.ops.aten.scatter,
+    torch.ops.aten.scatter_,
+}
+
+
+def _scatters_into_empty(fn, *args) -> list[str]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def packet(node):
+        return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+
+    graph = make_fx(fn)(*args).graph
+    return [
+        n.format_node()
+        for n in graph.nodes
+        if packet(n) in _SCATTERS and isinstance(n.args[0], torch.fx.Node) and packet(n.args[0]) in _EMPTY
+    ]
+
+
+def test_routing_writes_no_empty_tensor():
+    # Inductor (CPU) scheduled ``dest_A[order_A] = arange`` into an empty dest_A after the kernel
+    # that read dest_A, in the inference graph of a DeepSeek-V3 block (validation): every row went
+    # to row 1, and the CPU expert op read rows no assignment filled (an IndexError in
+    # routing_kernels/cpu/blocks.py). aot_eager runs the same graph correctly, and an Inductor build
+    # of a model takes minutes here, so the contract is checked on the traced graph instead: the
+    # permutations the compiled routing inverts are inverted by a sort or a gather, not by a
+    # scatter into uninitialised memory. Both still invert them.
+    from moe import capacity_keep_mask
+    from routing_kernels import reference
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4, (16, 2), generator=g)
+    weights = torch.rand(16, 2, generator=g)
+    assert _scatters_into_empty(lambda i: reference.routing_metadata(i, 4), ids) == []
+    for policy in ("position", "probs"):
+        assert _scatters_into_empty(lambda i, w: capacity_keep_mask(i, w, 4, 5, policy), ids, weights) == []
+
+    counts, offsets, dest = reference.routing_metadata(ids, 4)
+    flat = ids.reshape(-1)
+    assert sorted(dest.reshape(-1).tolist()) == list(range(flat.numel()))  # a permutation of the rows
+    # row dest[a] lies in its expert's segment, and rows keep token order within an expert
+    for e in range(4):
+        rows = dest.reshape(-1)[flat == e]
+        assert rows.tolist() == list(range(int(offsets[e]), int(offsets[e + 1])))
