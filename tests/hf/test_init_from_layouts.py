@@ -23,7 +23,8 @@ at the eager All-to-All (moe/dispatch.py), the attention and routing before it a
 after it compiled (the upcycled Llama, the family cheapest to compile). Compile is the module's
 costliest part, so it extends cases rather than adding them (eager zbv with checkpointing and eager
 ep2: tests/zero/test_pipeline.py, the other ep2 cases here). The Inductor backend under a split
-backward, validation included, was checked by hand, not here (a run takes minutes).
+backward, validation included, is checked by hand, not here (a run takes minutes):
+tests/hf/inductor_check.py.
 
 Tolerances, as tests/hf/test_init_from.py: losses, gradient norms, aux losses and the validation loss
 within 1e-5 relative, weights within 1e-5 absolute (AdamW near eps, tests/support/training.py); the
