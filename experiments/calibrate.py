@@ -9,6 +9,7 @@ least squares). ``experiments.plan`` (the planner's CLI) dispatches ``--calibrat
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -100,8 +101,8 @@ def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
                     ]
                     flops = 2 * m * k * n
                     reps = 10 if cuda else max(2, min(20, int(2e8 / flops)))
-                    turn = iter(range(1 << 62))
-                    t = _time(lambda: torch.mm(*pairs[next(turn) % sets]), reps, sync, best=best)
+                    turn = itertools.cycle(pairs)
+                    t = _time(lambda: torch.mm(*next(turn)), reps, sync, best=best)
                     rows.append([m, k, n, flops / t])
         out["matmul_flops"][name] = rows
         out["attention_flops"][name] = measure_attention(device, dtype, quick, sync, best)

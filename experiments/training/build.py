@@ -80,10 +80,11 @@ def build_model(cfg: DictConfig, layout: zero.Layout | None = None, plan: Pipeli
     config is the model's (``hf_init.resolve_init_from``, applied here unless the trainer already
     did) and whose weights replace the initial ones: with ``plan``, only the pipeline layers this
     rank runs, and in each MoE layer only this rank's experts."""
-    check_upcycle(cfg.model)  # model.upcycle.* that would do nothing
     init_from = cfg.model.get("init_from", None)
     if init_from and not cfg.model.get("hf_family", None):
-        cfg = resolve_init_from(cfg)
+        cfg = resolve_init_from(cfg)  # refuses model.upcycle.* that would do nothing first
+    else:
+        check_upcycle(cfg.model)
     mcfg = model_config(cfg)
     if mcfg.moe is not None and mcfg.moe.router == "expert_choice":
         print(

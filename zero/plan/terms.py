@@ -150,30 +150,27 @@ class _Costing:
         rec = self.rec
         return {"both", "rows" if rec.ep > 1 else "tokens"} | ({"ckpt"} if rec.checkpoint_activations else set())
 
+    def _pool_sum(self, b: BlockCost, modes: set[str], pooled: bool = True, passes: str | None = None) -> float:
+        """Bytes of layer ``b``'s kernel buffers in ``modes`` (of ``passes``' pass, when given) that
+        the pool keeps (``pooled``: at ``pool_min_bytes`` or more) or the heap gives (under it)."""
+        total = 0.0
+        for kind, width, m, used_in in b.pool_buffers:
+            if m in modes and (passes is None or passes in used_in):
+                nbytes = self._pool_bytes(b, kind, width)
+                if (nbytes >= b.pool_min_bytes) == pooled:
+                    total += nbytes
+        return total
+
     def pooled(self, b: BlockCost, saved_only: bool = False) -> float:
         """Bytes layer ``b``'s kernel keeps from step to step (``BlockCost.pool_buffers``), one lane;
         ``saved_only``: of those, the buffers of what the layer saves, idle under checkpointing."""
         modes = self._pool_modes()
-        if saved_only:
-            modes = {"ckpt"} & modes
-        total = 0.0
-        for kind, width, m, _ in b.pool_buffers:
-            if m in modes:
-                nbytes = self._pool_bytes(b, kind, width)
-                if nbytes >= b.pool_min_bytes:
-                    total += nbytes
-        return total
+        return self._pool_sum(b, {"ckpt"} & modes if saved_only else modes)
 
     def pooled_saved(self, b: BlockCost) -> float:
         """Bytes of what layer ``b`` saves that its kernel's pool holds (h1, h3: mode "ckpt"), one
         micro-batch, with or without checkpointing: a pool keeps as many as were alive at once."""
-        total = 0.0
-        for kind, width, m, _ in b.pool_buffers:
-            if m == "ckpt":
-                nbytes = self._pool_bytes(b, kind, width)
-                if nbytes >= b.pool_min_bytes:
-                    total += nbytes
-        return total
+        return self._pool_sum(b, {"ckpt"})
 
     def kernel_backward(self, b: BlockCost) -> float:
         """The heap bytes layer ``b``'s kernel takes while its backward runs: the backward's buffers
@@ -182,13 +179,7 @@ class _Costing:
         chunk of the combine into token order; the pool's own buffers are kernel_buffers."""
         if not b.pool_buffers:
             return 0.0
-        modes = self._pool_modes() - {"ckpt"}
-        total = 0.0
-        for kind, width, m, passes in b.pool_buffers:
-            if m in modes and "B" in passes:
-                nbytes = self._pool_bytes(b, kind, width)
-                if nbytes < b.pool_min_bytes:
-                    total += nbytes
+        total = self._pool_sum(b, self._pool_modes() - {"ckpt"}, pooled=False, passes="B")
         if self.rec.ep == 1 and b.pool_combine_tokens:
             total += min(self.tokens, b.pool_combine_tokens) * b.top_k * b.row_bytes
         return total
@@ -207,8 +198,8 @@ class _Costing:
                 rows = mm.fixed_rows or T * mm.rows_per_token
                 flops = mm.flops_per_token() * T
             if not mm.weight:  # attention's scores or weighted values: its kernel's rate where measured
-                L = mm.fixed_rows or rows
-                attn = p.attention_rate(self.dtype, L, mm.n if mm.k == L else mm.k)
+                # [L, J] @ [J, L] (the scores) or [L, L] @ [L, O] (the values): J or O is the head's dim
+                attn = p.attention_rate(self.dtype, rows, mm.n if mm.k == rows else mm.k)
                 if attn is not None:
                     f += flops / attn[0]
                     i += attn[1] * flops / attn[0]
