@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -216,7 +217,7 @@ def measure_cpu_busy(cores: int, quick: bool = False) -> dict:
 COLL_SIZES = [1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
 
 
-def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, q) -> None:
+def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bool, q) -> None:
     import torch
     import torch.distributed as dist
 
@@ -230,6 +231,8 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, q) -> No
         torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
     res = {op: [] for op in zplan.profile.COLLECTIVES}
+    idle = {op: [] for op in zplan.profile.COLLECTIVES}
+    compute = _busy_segment(BUSY_SEGMENT_S) if busy else None
 
     def pingpong(t):  # half of it counts: there and back
         if rank == 0:
@@ -254,36 +257,96 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, q) -> No
             # back to back: each call waits for its peer, so a batch's mean is one call's time
             reps = 20 if nbytes <= (1 << 20) else 5
 
-            def batch(fn=fn, reps=reps):
+            def batch(fn=fn, reps=reps, work=None):
                 dist.barrier()
                 for _ in range(reps):
+                    if work is not None:
+                        work()
                     fn()
 
-            # the least of several batches: on a shared machine the others are the neighbours' noise
-            t = (_time(batch, 5, sync, best=True) - _time(dist.barrier, 5, sync, best=True)) / reps
-            res[op].append(max(t / (2 if op == "p2p" else 1), 1e-7))
+            def per_call(work=None):
+                # the least of several batches (on a shared machine the others are the neighbours'
+                # noise), less a batch without the collective: the barrier, and the work if any
+                nothing = lambda: None  # noqa: E731
+                t_with = _time(lambda: batch(work=work), 5, sync, best=True)
+                t_without = _time(lambda: batch(fn=nothing, work=work), 5, sync, best=True)
+                return (t_with - t_without) / reps / (2 if op == "p2p" else 1)
+
+            t = per_call()
+            idle[op].append(max(t, 1e-7))
+            if compute is not None:
+                # between computing ranks: at least what it costs on idle cores (the difference of
+                # two noisy batches can come out below)
+                t = max(t, per_call(compute))
+            res[op].append(max(t, 1e-7))
     if rank == 0:
-        q.put(res)
+        q.put((res, idle))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_collectives(backend: str, world: int = 2, sizes=None) -> dict:
+# a CPU's ranks compute between their collectives: each timed call follows this much work
+BUSY_SEGMENT_S = 0.003
+
+
+def _busy_segment(seconds: float):
+    """A function of about ``seconds`` of one thread's matrix products (sized here, once)."""
+    import torch
+
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    t = time.perf_counter()
+    for _ in range(100):
+        torch.mm(a, b)
+    n = max(1, round(seconds / max((time.perf_counter() - t) / 100, 1e-9)))
+
+    def work():
+        for _ in range(n):
+            torch.mm(a, b)
+
+    return work
+
+
+def measure_collectives(backend: str, world: int = 2, sizes=None, busy: bool | None = None) -> dict:
+    """Each collective by message size on ``world`` local ranks; α, β by least squares. ``busy``
+    (default: on gloo, a CPU's): each call follows ``BUSY_SEGMENT_S`` of computation on every rank,
+    whose time alone is taken off, and the fit is of these times (``raw``; ``idle``: on idle
+    cores, a floor to them): on a CPU whose cores all compute, gloo's threads take their time
+    from the ranks' and each message waits for its peer's thread to be scheduled, so a collective
+    costs a training step more than on idle cores (about 1 ms more per call below 1 MB, seen on 2
+    cores). A GPU's collectives run beside its compute: timed idle."""
     import torch.multiprocessing as mp
 
     from experiments.launch import rendezvous_port
 
     sizes = sizes or COLL_SIZES
+    busy = backend == "gloo" if busy is None else busy
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = rendezvous_port()
-    mp.start_processes(_coll_worker, args=(world, port, backend, sizes, q), nprocs=world, start_method="spawn")
-    res = q.get()
+    mp.start_processes(_coll_worker, args=(world, port, backend, sizes, busy, q), nprocs=world, start_method="spawn")
+    res, idle = q.get()
     fitted = {}
     for op, times in res.items():
         ab = zplan.fit_alpha_beta(op, world, sizes, times)
         fitted[op] = {"alpha": ab.alpha, "beta": ab.beta}
-    return {"fitted": fitted, "raw": {op: list(zip(sizes, t)) for op, t in res.items()}}
+    return {
+        "fitted": fitted,
+        "raw": {op: list(zip(sizes, t)) for op, t in res.items()},
+        "idle": {op: list(zip(sizes, t)) for op, t in idle.items()},
+        "busy": busy,
+    }
+
+
+def median_of(runs: list):
+    """The element-wise median of equally shaped measurements (dicts, lists and numbers)."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return [median_of([r[i] for r in runs]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return float(statistics.median(runs))
+    return first
 
 
 def run_calibrate(argv: list[str]) -> int:
@@ -296,6 +359,12 @@ def run_calibrate(argv: list[str]) -> int:
     ap.add_argument("--base", default=None, help="profile whose values fill what is not measured here")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a test's smoke run)")
     ap.add_argument("--no-collectives", action="store_true")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="whole measurements whose median is kept (default: 3 on a CPU, 1 on a GPU)",
+    )
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda:0" if cuda else "cpu"
@@ -305,7 +374,16 @@ def run_calibrate(argv: list[str]) -> int:
     name = a.name or (Path(a.out).stem if a.out else ("cuda" if cuda else f"cpu_{cores}core"))
     base = zplan.load_profile(a.base).to_dict() if a.base else {}
     # a GPU is its own; a CPU's cores are shared by its ranks: measured with every core busy
-    m = measure_device(device, quick=a.quick) if cuda else measure_cpu_busy(cores, quick=a.quick)
+    repeats = a.repeats if a.repeats is not None else (1 if cuda or a.quick else 3)
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} is invalid: expected a positive integer")
+
+    # a shared CPU's speed moves from one minute to the next: each figure is the median of
+    # ``repeats`` whole measurements
+    def measure():
+        return measure_device(device, quick=a.quick) if cuda else measure_cpu_busy(cores, quick=a.quick)
+
+    m = median_of([measure() for _ in range(repeats)])
     d = dict(base)
     d.update(name=name, notes="")
     sources = dict(base.get("sources") or {})
@@ -318,8 +396,10 @@ def run_calibrate(argv: list[str]) -> int:
         "host_adam_params_per_s",
     ):
         d[key] = m[key]
-        sources[key] = f"measured by python -m experiments.plan --calibrate on {device}, " + (
-            "best of repeats" if cuda else f"median of repeats, one process on each of the {cores} cores at once"
+        sources[key] = (
+            f"measured by python -m experiments.plan --calibrate on {device}, "
+            + ("best of repeats" if cuda else f"median of repeats, one process on each of the {cores} cores at once")
+            + (f"; the median of {repeats} such measurements" if repeats > 1 else "")
         )
     if cuda:
         d["device"], d["device_memory_bytes"] = m["device"], m["device_memory_bytes"]
@@ -349,7 +429,15 @@ def run_calibrate(argv: list[str]) -> int:
     raw = None
     can_coll = not a.no_collectives and (not cuda or torch.cuda.device_count() >= 2)
     if can_coll:
-        coll = measure_collectives("nccl" if cuda else "gloo")
+        colls = [measure_collectives("nccl" if cuda else "gloo") for _ in range(repeats)]
+        coll = colls[0]
+        if repeats > 1:  # the median of each timing, fitted again
+            raw = median_of([c["raw"] for c in colls])
+            fitted = {}
+            for op, pts in raw.items():
+                ab = zplan.fit_alpha_beta(op, 2, [int(x) for x, _ in pts], [t for _, t in pts])
+                fitted[op] = {"alpha": ab.alpha, "beta": ab.beta}
+            coll = dict(coll, raw={op: [(int(x), t) for x, t in pts] for op, pts in raw.items()}, fitted=fitted)
         raw = coll["raw"]
         tiers = {"intra": dict(coll["fitted"])}
         # one machine: its only link; a profile for several nodes takes the inter tier from --base
@@ -357,6 +445,8 @@ def run_calibrate(argv: list[str]) -> int:
         d["collectives"] = tiers
         sources["collectives.intra"] = (
             f"2 local ranks, {'nccl' if cuda else 'gloo'}, least squares over {COLL_SIZES} bytes"
+            + (f", each call after {BUSY_SEGMENT_S * 1e3:g} ms of computation (taken off)" if coll["busy"] else "")
+            + (f"; each timing the median of {repeats} measurements" if repeats > 1 else "")
         )
         if "inter" not in (base.get("collectives") or {}):
             sources["collectives.inter"] = "one machine: the intra figures (no second node to measure)"
@@ -370,7 +460,8 @@ def run_calibrate(argv: list[str]) -> int:
     out = Path(a.out) if a.out else zplan.profile.PROFILE_DIR / f"{name}.yaml"
     header = f"{name}: measured {time.strftime('%Y-%m-%d')} by python -m experiments.plan --calibrate"
     if raw:
-        header += "\nraw collective timings (bytes, seconds), 2 ranks:\n" + "\n".join(
+        where = ", between computing ranks" if coll["busy"] else ""
+        header += f"\nraw collective timings (bytes, seconds), 2 ranks{where}:\n" + "\n".join(
             f"  {op}: " + ", ".join(f"({s}, {t:.3g})" for s, t in pts) for op, pts in raw.items()
         )
     zplan.save_profile(profile, out, header=header)

@@ -164,10 +164,13 @@ def blocks_backward(
     need_x: bool,
     need_w: bool,
     pool: BufferPool,
+    need_params: bool = True,
 ):
     """The backward of ``ExpertBlocks`` from what ``blocks_forward`` returned: ``(dx, grad_weights,
     dw1, dw3, dw2)``, ``dx`` None unless ``need_x``, ``grad_weights`` (the combine weights', tokens
-    mode) None unless ``need_w``."""
+    mode) None unless ``need_w``, the expert weights' gradients None unless ``need_params``. A
+    split backward (the zero-bubble schedules' input pass, then their weight pass: torch runs this
+    node's backward once for each) asks for the inputs' gradients first and the weights' after."""
     swiglu = w3 is not None
     tokens = dest_TK is not None
     grad = grad.contiguous()
@@ -184,8 +187,10 @@ def blocks_backward(
     dw_S = x.new_empty(S) if need_w else None  # dL/d combine weight, row order
     # weight gradients: the view lent becomes p.grad itself (autograd adopts a gradient that
     # nothing else refers to), so its buffer is lent again once the training loop drops p.grad
-    dw1, dw2 = pool.empty("dw1", w1.shape, w1), pool.empty("dw2", w2.shape, w2)
-    dw3 = pool.empty("dw3", w3.shape, w3) if swiglu else None
+    dw1 = dw2 = dw3 = None
+    if need_params:
+        dw1, dw2 = pool.empty("dw1", w1.shape, w1), pool.empty("dw2", w2.shape, w2)
+        dw3 = pool.empty("dw3", w3.shape, w3) if swiglu else None
     block = schedule.block_rows
     rows = min(S, block)
     scratch = [
@@ -242,6 +247,8 @@ def blocks_backward(
                 torch.mm(dh1, w1[e].t(), out=dx)
                 if swiglu:
                     dx.addmm_(dh3, w3[e].t())
+            if not need_params:
+                continue
             # this expert's weight gradients, block after block in order (see BlockQueue)
             queue.wait_turn(e, turn)
             _mm_into(dw2[e], act.t(), g, turn > 0)
@@ -270,6 +277,21 @@ def blocks_backward(
             torch.zeros((), dtype=dw_S.dtype),
         ).to(weights_dtype)
     return dx, grad_w, dw1, dw3, dw2
+
+
+def _engine_needs(ctx, i: int) -> bool:
+    """Whether the backward running now wants the gradient of the node's input ``i``.
+    ``ctx.needs_input_grad`` says only whether it requires one at all; a split backward (torch's
+    pipelining: ``autograd.grad`` for the stage's inputs, then again for its weights) asks for
+    some inputs per pass. Where the engine cannot tell (``autograd.grad`` asked for that leaf
+    itself, or an older torch), the gradient is wanted."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    try:
+        return node is None or torch._C._will_engine_execute_node(node)
+    except (AttributeError, RuntimeError):
+        return True
 
 
 class ExpertBlocks(torch.autograd.Function):
@@ -314,8 +336,9 @@ class ExpertBlocks(torch.autograd.Function):
             h3,
             src,
             w,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
+            _engine_needs(ctx, 0),
+            _engine_needs(ctx, 1),
             ctx.pool,
+            any(_engine_needs(ctx, i) for i in (2, 3, 4)),
         )
         return dx, grad_w, dw1, dw3, dw2, None, None, None, None

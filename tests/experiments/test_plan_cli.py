@@ -109,12 +109,29 @@ def test_calibrate_writes_a_profile_that_loads(tmp_path):
     assert p.collectives == zplan.load_profile("cpu_2core").collectives  # from --base: not measured here
 
 
+def test_calibration_keeps_the_median_of_its_repeats():
+    from experiments.calibrate import median_of
+
+    runs = [
+        {"rate": 3.0, "rows": [[64, 16, 1.0], [64, 32, 9.0]], "name": "cpu"},
+        {"rate": 1.0, "rows": [[64, 16, 5.0], [64, 32, 2.0]], "name": "cpu"},
+        {"rate": 2.0, "rows": [[64, 16, 4.0], [64, 32, 4.0]], "name": "cpu"},
+    ]
+    # per figure, not per run: no run holds both middles
+    assert median_of(runs) == {"rate": 2.0, "rows": [[64, 16, 4.0], [64, 32, 4.0]], "name": "cpu"}
+
+
 @pytest.mark.distributed
 def test_calibrate_fits_the_collectives_of_two_gloo_ranks(tmp_path):
     res = cli.measure_collectives("gloo", sizes=[1 << 12, 1 << 20, 1 << 22])
+    assert res["busy"]  # gloo: timed between computing ranks
     for op, ab in res["fitted"].items():
         assert ab["beta"] > 0 and ab["alpha"] >= 0, op
         assert [s for s, _ in res["raw"][op]] == [1 << 12, 1 << 20, 1 << 22]
+        # fitted to the times between computing ranks, never below the idle cores' (their floor)
+        assert all(t >= t_idle for (_, t), (_, t_idle) in zip(res["raw"][op], res["idle"][op])), op
+        want = zplan.fit_alpha_beta(op, 2, [1 << 12, 1 << 20, 1 << 22], [t for _, t in res["raw"][op]])
+        assert ab == {"alpha": want.alpha, "beta": want.beta}, op
 
 
 def test_the_planner_benchmarks_routing_skew_and_rank_correlation():

@@ -149,3 +149,37 @@ def test_dispatch_picks_and_refuses():
             y = rk.expert_ffn(x, [2, 3], w1, w3, w2)
             assert torch.equal(y[5], torch.zeros(4)) and not torch.equal(y[4], torch.zeros(4))
     assert set(dispatch._EXPERT_IMPLS) == set(dispatch._experts.valid) - {"auto"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_backward_computes_each_gradient_once(backend, small_blocks_in_lanes, monkeypatch):
+    """The zero-bubble schedules' split backward: torch runs the expert node's backward once for
+    the inputs' gradients (x, the combine weights) and again for the weights'. Each pass gives the
+    reference's gradients, the input pass runs no weight-gradient product and the weight pass
+    computes no input gradient (either would be thrown away, then done again by the other pass)."""
+    import routing_kernels.cpu.blocks as blocks
+
+    T, K, X, D, F = 19, 2, 4, 12, 8
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(6)).requires_grad_(True)
+    ids, w = _routing(T, K, X, seed=7)
+    w1, w3, w2 = _weights(X, D, F, True, seed=8)
+    counts, _, dest = rk.routing_metadata(ids, X)
+    products = []
+    real = blocks._mm_into
+    monkeypatch.setattr(blocks, "_mm_into", lambda *a: (products.append(a), real(*a)))
+    with rk.use_expert_backend(backend):
+        out = rk.expert_ffn(x, counts.tolist(), w1, w3, w2, dest_TK=dest, weights_TK=w)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    dx, dw = torch.autograd.grad(out, [x, w], g, retain_graph=True)
+    assert not products, f"the input pass ran {len(products)} weight-gradient products"
+    del products[:]
+    calls = []
+    real_backward = blocks.blocks_backward
+    monkeypatch.setattr(blocks, "blocks_backward", lambda *a, **k: (calls.append(a[12:14]), real_backward(*a, **k))[1])
+    dparams = torch.autograd.grad(out, [w1, w3, w2], g)
+    if backend == "cpu_blocks":
+        assert calls == [(False, False)], f"the weight pass asked for the inputs' gradients: {calls}"
+    ref = _tokens_reference(x, ids, w, w1, w3, w2)
+    want = torch.autograd.grad(ref, [x, w, w1, w3, w2], g.double())
+    for name, a, b in zip(["x", "weights", "w1", "w3", "w2"], [dx, dw, *dparams], want):
+        _close(a, b, f"d {name}")
