@@ -287,10 +287,10 @@ def _engine_needs(ctx, i: int) -> bool:
     itself, or an older torch), the gradient is wanted."""
     if not ctx.needs_input_grad[i]:
         return False
-    node = ctx.next_functions[i][0]
     try:
+        node = ctx.next_functions[i][0]
         return node is None or torch._C._will_engine_execute_node(node)
-    except (AttributeError, RuntimeError):
+    except (AttributeError, IndexError, RuntimeError):  # e.g. a graph whose node lists fewer edges
         return True
 
 
