@@ -288,9 +288,9 @@ def _engine_needs(ctx, i: int) -> bool:
     if not ctx.needs_input_grad[i]:
         return False
     try:
-        node = ctx.next_functions[i][0]
+        node = ctx.next_functions[ctx.edge_of[i]][0]  # the edges skip the inputs that are no tensor
         return node is None or torch._C._will_engine_execute_node(node)
-    except (AttributeError, IndexError, RuntimeError):  # e.g. a graph whose node lists fewer edges
+    except (AttributeError, RuntimeError):
         return True
 
 
@@ -318,6 +318,9 @@ class ExpertBlocks(torch.autograd.Function):
         ctx.save_for_backward(x, w1, w3, w2, src, w, dest_TK, h1, h3)
         ctx.counts, ctx.pool = counts, pool
         ctx.weights_dtype = None if weights_TK is None else weights_TK.dtype
+        # the node's edges are its tensor inputs' only: input i's edge, for _engine_needs
+        tensors = [i for i, a in enumerate((x, weights_TK, w1, w3, w2, dest_TK)) if isinstance(a, torch.Tensor)]
+        ctx.edge_of = {i: n for n, i in enumerate(tensors)}
         return out
 
     @staticmethod

@@ -8,10 +8,13 @@ Tolerances. Import (ours against the stock model, fp32): ``max |ours - theirs| /
 naive name mapping ``hf_to_ours`` maps transformers' gradients here, independently of the adapter
 tables): the same formulas in another order (SDPA against eager attention, grouped experts against
 a loop), measured <= 5e-6; a wrong detail moves it by 1e-3 or more. Export (the exported directory
-in transformers against ours): ``||a - b|| / ||b|| <= 1e-6`` on the logits (tests/hf/test_mixtral.py's
-measure), measured <= 6e-7: the same weights and the same computation as the import check, forward
-only; the largest entry's error alone reaches 1.7e-6 (DeepSeek-V3's latent attention). Round
-trips are bit for bit: moving weights is copies and transposes.
+in transformers against ours): ``||a - b|| / ||b|| <= 5e-6`` on the logits (tests/hf/test_mixtral.py's
+measure), measured <= 6e-7 on one machine and 1.4e-6 on another (DeepSeek-V3 without a query
+latent; another CPU's kernels sum in another order): the same weights and the same computation as
+the import check, forward only; in fp64 every family agrees within 3e-7 (transformers keeps its
+rotary tables in fp32), so the gap is rounding, and the bound is 5e-6; the largest entry's error
+alone reaches 1.7e-6 (DeepSeek-V3's latent attention). Round trips are bit for bit: moving
+weights is copies and transposes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tests.moe.architectures import randomize_, worst_error  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 V, D, L, B = 37, 24, 11, 2  # odd vocabulary and length; D / 4 heads = 6, not a power of two
-IMPORT_TOL, EXPORT_TOL = 1e-5, 1e-6  # see the module docstring
+IMPORT_TOL, EXPORT_TOL = 1e-5, 5e-6  # see the module docstring
 
 
 def _mha(cls: str, kv: int, **kw) -> tuple[str, dict]:

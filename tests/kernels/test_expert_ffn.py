@@ -152,34 +152,48 @@ def test_dispatch_picks_and_refuses():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_split_backward_computes_each_gradient_once(backend, small_blocks_in_lanes, monkeypatch):
+@pytest.mark.parametrize("tokens,swiglu", [(True, True), (True, False), (False, True), (False, False)])
+def test_split_backward_computes_each_gradient_once(backend, tokens, swiglu, small_blocks_in_lanes, monkeypatch):
     """The zero-bubble schedules' split backward: torch runs the expert node's backward once for
     the inputs' gradients (x, the combine weights) and again for the weights'. Each pass gives the
     reference's gradients, the input pass runs no weight-gradient product and the weight pass
-    computes no input gradient (either would be thrown away, then done again by the other pass)."""
+    computes no input gradient (either would be thrown away, then done again by the other pass).
+    Rows mode (expert parallelism's, no combine weights) and GELU (no w3) leave inputs out of the
+    node's edges, which must not shift the weights' place among them."""
     import routing_kernels.cpu.blocks as blocks
 
     T, K, X, D, F = 19, 2, 4, 12, 8
-    x = torch.randn(T, D, generator=torch.Generator().manual_seed(6)).requires_grad_(True)
     ids, w = _routing(T, K, X, seed=7)
-    w1, w3, w2 = _weights(X, D, F, True, seed=8)
     counts, _, dest = rk.routing_metadata(ids, X)
+    rows = T if tokens else T * K  # rows mode: the rows already in expert order
+    x = torch.randn(rows, D, generator=torch.Generator().manual_seed(6)).requires_grad_(True)
+    w1, w3, w2 = _weights(X, D, F, swiglu, seed=8)
+    params = [p for p in (w1, w3, w2) if p is not None]
     products = []
     real = blocks._mm_into
     monkeypatch.setattr(blocks, "_mm_into", lambda *a: (products.append(a), real(*a)))
     with rk.use_expert_backend(backend):
-        out = rk.expert_ffn(x, counts.tolist(), w1, w3, w2, dest_TK=dest, weights_TK=w)
+        if tokens:
+            out = rk.expert_ffn(x, counts.tolist(), w1, w3, w2, dest_TK=dest, weights_TK=w)
+        else:
+            out = rk.expert_ffn(x, counts.tolist(), w1, w3, w2)
+    inputs = [x, w] if tokens else [x]
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
-    dx, dw = torch.autograd.grad(out, [x, w], g, retain_graph=True)
+    dinputs = torch.autograd.grad(out, inputs, g, retain_graph=True)
     assert not products, f"the input pass ran {len(products)} weight-gradient products"
-    del products[:]
     calls = []
     real_backward = blocks.blocks_backward
     monkeypatch.setattr(blocks, "blocks_backward", lambda *a, **k: (calls.append(a[12:14]), real_backward(*a, **k))[1])
-    dparams = torch.autograd.grad(out, [w1, w3, w2], g)
+    dparams = torch.autograd.grad(out, params, g)
     if backend == "cpu_blocks":
         assert calls == [(False, False)], f"the weight pass asked for the inputs' gradients: {calls}"
-    ref = _tokens_reference(x, ids, w, w1, w3, w2)
-    want = torch.autograd.grad(ref, [x, w, w1, w3, w2], g.double())
-    for name, a, b in zip(["x", "weights", "w1", "w3", "w2"], [dx, dw, *dparams], want):
+        assert products, "the weight pass ran no weight-gradient product"
+    if tokens:
+        ref = _tokens_reference(x, ids, w, w1, w3, w2)
+    else:
+        ref = reference.expert_ffn(
+            x.double(), counts.tolist(), *(None if p is None else p.double() for p in (w1, w3, w2))
+        )
+    want = torch.autograd.grad(ref, inputs + params, g.double())
+    for a, b, name in zip([*dinputs, *dparams], want, ["x", "weights", "w1", "w3", "w2"] if tokens else ["x", *"123"]):
         _close(a, b, f"d {name}")
