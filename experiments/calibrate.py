@@ -2,8 +2,11 @@
 profile (``zero.plan.Profile``) under ``conf/cluster/``: matmul FLOP/s by size, causal attention's
 FLOP/s and backward-to-forward ratio by sequence length and head dim, a large copy's
 bandwidth, the fixed cost of one operator, the host optimizer's rate, other work's load on a shared
-host, and each collective by message size on 2 local ranks (gloo on a CPU, NCCL on 2+ GPUs; α, β by
-least squares). ``experiments.plan`` (the planner's CLI) dispatches ``--calibrate`` here.
+host, and each collective by message size on 2 local ranks (gloo on a CPU, timed between ranks
+that compute before each call: ``measure_collectives``; NCCL on 2+ GPUs; α, β by least squares).
+A shared CPU's speed moves from minute to minute: each figure is the median of ``--repeats`` whole
+measurements (3 on a CPU, 1 on a GPU). ``experiments.plan`` (the planner's CLI) dispatches
+``--calibrate`` here.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ holding one of ``parallel.zero_hpz``/``zero_qwz``/``zero_qgz`` searches them too
 
 ``--calibrate`` measures the machine it runs on: matmul FLOP/s by size, a large copy's bandwidth,
 the fixed cost of one operator, the host optimizer's rate, and each collective by message size on 2
-local ranks (gloo on a CPU, NCCL on 2+ GPUs; α, β by least squares), and writes a profile yaml.
+local ranks (gloo on a CPU, between ranks that compute before each call; NCCL on 2+ GPUs; α, β by
+least squares), each figure the median of ``--repeats`` measurements (3 on a CPU), and writes a
+profile yaml.
 With one GPU the collectives cannot be measured: ``--base`` names the profile whose values fill
 what was not measured.
 """
