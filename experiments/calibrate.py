@@ -328,6 +328,11 @@ def measure_collectives(backend: str, world: int = 2, sizes=None, busy: bool | N
     port = rendezvous_port()
     mp.start_processes(_coll_worker, args=(world, port, backend, sizes, busy, q), nprocs=world, start_method="spawn")
     res, idle = q.get()
+    return _collectives(res, idle, world, sizes, busy)
+
+
+def _collectives(res: dict, idle: dict, world: int, sizes, busy: bool) -> dict:
+    """``measure_collectives``' result from each op's times by size: α, β fitted to ``res``."""
     fitted = {}
     for op, times in res.items():
         ab = zplan.fit_alpha_beta(op, world, sizes, times)
@@ -337,7 +342,19 @@ def measure_collectives(backend: str, world: int = 2, sizes=None, busy: bool | N
         "raw": {op: list(zip(sizes, t)) for op, t in res.items()},
         "idle": {op: list(zip(sizes, t)) for op, t in idle.items()},
         "busy": busy,
+        "world": world,
     }
+
+
+def median_collectives(runs: list[dict]) -> dict:
+    """Several ``measure_collectives`` results as one: each timing's median, fitted again."""
+    first = runs[0]
+    sizes = [s for s, _ in next(iter(first["raw"].values()))]
+    times = {
+        key: median_of([{op: [t for _, t in pts] for op, pts in r[key].items()} for r in runs])
+        for key in ("raw", "idle")
+    }
+    return _collectives(times["raw"], times["idle"], first["world"], sizes, first["busy"])
 
 
 def median_of(runs: list):
@@ -432,15 +449,7 @@ def run_calibrate(argv: list[str]) -> int:
     raw = None
     can_coll = not a.no_collectives and (not cuda or torch.cuda.device_count() >= 2)
     if can_coll:
-        colls = [measure_collectives("nccl" if cuda else "gloo") for _ in range(repeats)]
-        coll = colls[0]
-        if repeats > 1:  # the median of each timing, fitted again
-            raw = median_of([c["raw"] for c in colls])
-            fitted = {}
-            for op, pts in raw.items():
-                ab = zplan.fit_alpha_beta(op, 2, [int(x) for x, _ in pts], [t for _, t in pts])
-                fitted[op] = {"alpha": ab.alpha, "beta": ab.beta}
-            coll = dict(coll, raw={op: [(int(x), t) for x, t in pts] for op, pts in raw.items()}, fitted=fitted)
+        coll = median_collectives([measure_collectives("nccl" if cuda else "gloo") for _ in range(repeats)])
         raw = coll["raw"]
         tiers = {"intra": dict(coll["fitted"])}
         # one machine: its only link; a profile for several nodes takes the inter tier from --base
