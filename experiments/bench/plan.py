@@ -1,9 +1,10 @@
 """How good are the planner's predictions? (a) measured here: the trainer run for a few steps per
 layout on gloo ranks, against ``zero.plan``'s step time and model-state memory on the
-``cpu_2core`` profile; (b) on paper: two published large runs against the planner on vendor
-profiles.
+``cpu_2core`` profile, or with ``--calibrate`` on a profile measured just before each round;
+(b) on paper: two published large runs against the planner on vendor profiles.
 
-    python -m experiments.bench.plan [--part a|b|ab] [--steps 6] [--rounds 2] [--quick] [--out results.json]
+    python -m experiments.bench.plan [--part a|b|ab] [--steps 6] [--rounds 2] [--quick] [--calibrate]
+                                     [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
 ``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a time
@@ -13,7 +14,12 @@ three schedules, accumulation, checkpointing. Measured step time: the median ove
 the first two of each step's time (``metrics.jsonl``'s tokens_per_s per step; validation excluded),
 averaged over ``--rounds`` runs of the layout made round robin (minutes apart). The machine is
 shared: its other work's load (``background_load``, in busy processes) is measured for 2 s before
-each run and the prediction made with it.
+each run and the prediction made with it. ``--calibrate``: before each round this machine is
+calibrated afresh (``python -m experiments.plan --calibrate``, 2-3 minutes) and the round's runs
+are predicted on that profile, the shipped profile's predictions kept beside; each calibration's
+drift from the shipped profile is printed (``profile_drift``). A shared machine's speed moves
+by up to 1.4x over tens of minutes, and a profile measured at another time carries that into
+every prediction.
 Measured model-state bytes: ``zero.measure_memory`` of the engine after the last step's gradient
 reduction (the largest over the ranks). Measured peak: the trainer's ``summary.json`` memory (the
 CPU allocator's high-water mark through the profiler over the build and the first two steps,
@@ -147,7 +153,35 @@ def _spearman(a, b) -> float:
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
-def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
+def profile_drift(now: zplan.Profile, then: zplan.Profile) -> dict:
+    """How far a fresh calibration ``now`` lies from ``then``, rate by rate: the median over the
+    matrix-product shapes both measured of now's FLOP/s over then's, and the ratios of the copy
+    bandwidth, an operator's fixed cost and the intra-node All-to-All's time for 256 KiB."""
+    ratios = [
+        now.matmul_rate(dtype, *row[:3]) / then.matmul_rate(dtype, *row[:3])
+        for dtype, rows in then.matmul_flops.items()
+        for row in rows
+        if len(row) == 4
+    ]
+    a2a = lambda p: p.link("intra", "all_to_all").time("all_to_all", 1 << 18, 2)  # noqa: E731
+    return dict(
+        matmul_rate=statistics.median(ratios) if ratios else 1.0,
+        memory_bandwidth=now.memory_bandwidth / then.memory_bandwidth,
+        op_overhead=now.op_overhead_s / then.op_overhead_s if then.op_overhead_s else 1.0,
+        all_to_all_256k=a2a(now) / a2a(then),
+    )
+
+
+def calibrate_here(path: Path) -> zplan.Profile:
+    """This machine as it is now: ``python -m experiments.plan --calibrate`` (its defaults: the
+    median of three measurements, collectives between computing ranks) into ``path``."""
+    from experiments.calibrate import run_calibrate
+
+    run_calibrate(["--calibrate", "--out", str(path), "--name", path.stem])
+    return zplan.load_profile(path)
+
+
+def part_a(steps: int, quick: bool, rounds: int = 2, calibrate: bool = False) -> dict:
     import os
 
     from experiments.plan import background_load, compose, costs_of
@@ -166,12 +200,29 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
             raise ValueError(f"{rec.label()}: {problem}")
         recs.append(rec)
     runs: dict[int, list[dict]] = {i: [] for i in range(len(recs))}
+    calibrations = []
     # round robin: each layout's runs lie minutes apart, under whatever the neighbours run then
     for rnd in range(rounds):
+        base = shipped
+        if calibrate:
+            # the machine's speed moves over tens of minutes: each round is predicted on a profile
+            # measured just before it (the shipped profile's predictions are kept beside)
+            with tempfile.TemporaryDirectory() as tmp:
+                base = calibrate_here(Path(tmp) / f"cpu_round{rnd + 1}.yaml")
+            calibrations.append(
+                dict(round=rnd + 1, drift_from_shipped=profile_drift(base, shipped), profile=base.to_dict())
+            )
+            print(
+                f"| calibrated before round {rnd + 1}: against the shipped profile "
+                + ", ".join(f"{k} x{v:.2f}" for k, v in calibrations[-1]["drift_from_shipped"].items())
+                + " |",
+                flush=True,
+            )
         for i, rec in enumerate(recs):
             # the machine is shared and its other work comes and goes: the profile's background
-            # load is measured just before each run (the rest of the profile is the shipped one)
-            profile = dataclasses.replace(shipped, background_load=background_load(os.cpu_count() or 1, 2.0))
+            # load is measured just before each run
+            load = background_load(os.cpu_count() or 1, 2.0)
+            profile = dataclasses.replace(base, background_load=load)
             overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
@@ -188,8 +239,11 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
             # the time's: the same ratio, the mean over the steps timed (the All-to-Alls wait for it)
             time_skew = statistics.mean(_rank_skew([r], rec.ep) for r in rows_logged[2:])
             pred = zplan.predict(rec, costs, profile, time_skew=time_skew)
+            at_load = dataclasses.replace(shipped, background_load=load)
+            on_shipped = zplan.predict(rec, costs, at_load, time_skew=time_skew)
             run = dict(
                 predicted_s=pred.step_s,
+                predicted_s_shipped=on_shipped.step_s,
                 measured_s=statistics.median(times),
                 step_times=times,
                 background_load=profile.background_load,
@@ -224,6 +278,7 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
                 overrides=rec.overrides(),
                 runs=rs,
                 predicted_s=statistics.mean(r["predicted_s"] for r in rs),
+                predicted_s_shipped=statistics.mean(r["predicted_s_shipped"] for r in rs),
                 measured_s=statistics.mean(r["measured_s"] for r in rs),
                 predicted_model_states=rs[0]["predicted_model_states"],
                 measured_model_states=max(r["measured_model_states"] for r in rs),
@@ -239,11 +294,16 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
     mk = np.array([r["measured_peak"] for r in rows])
     # how well the machine repeats itself: one layout's runs against their mean
     spread = [np.std([r["measured_s"] for r in row["runs"]]) / row["measured_s"] for row in rows] if rounds > 1 else [0]
+    ps = np.array([r["predicted_s_shipped"] for r in rows])
     summary = dict(
         layouts=len(rows),
         rounds=rounds,
+        profile="calibrated before each round" if calibrate else "cpu_2core (shipped)",
         step_mae_pct=float(np.mean(np.abs(p - m) / m) * 100),
         step_spearman=_spearman(p, m),
+        step_mae_pct_shipped=float(np.mean(np.abs(ps - m) / m) * 100),
+        step_spearman_shipped=_spearman(ps, m),
+        calibrations=calibrations,
         repeat_spread_pct=float(np.mean(spread) * 100),
         model_states_max_rel_err=float(np.max(np.abs(pm - mm) / mm)),
         peak_mean_abs_err_pct=float(np.mean(np.abs(pk - mk) / mk) * 100),
@@ -251,8 +311,15 @@ def part_a(steps: int, quick: bool, rounds: int = 2) -> dict:
         peak_within_5pct=int(np.sum(np.abs(pk - mk) / mk <= 0.05)),
     )
     print(
-        f"\n{summary['layouts']} layouts x {rounds} runs (each the mean of its runs): step time MAE "
-        f"{summary['step_mae_pct']:.1f}%, Spearman rho {summary['step_spearman']:.2f}; a layout's runs spread "
+        f"\n{summary['layouts']} layouts x {rounds} runs (each the mean of its runs), on {summary['profile']}: "
+        f"step time MAE {summary['step_mae_pct']:.1f}%, Spearman rho {summary['step_spearman']:.2f}"
+        + (
+            f" (on the shipped profile: {summary['step_mae_pct_shipped']:.1f}%, "
+            f"rho {summary['step_spearman_shipped']:.2f})"
+            if calibrate
+            else ""
+        )
+        + f"; a layout's runs spread "
         f"{summary['repeat_spread_pct']:.0f}% (std / mean) on this shared machine; model-state bytes within "
         f"{summary['model_states_max_rel_err']:.2%} of measured; peak memory (the busiest rank's) off by "
         f"{summary['peak_mean_abs_err_pct']:.1f}% on average, {summary['peak_max_abs_err_pct']:.1f}% at most, "
@@ -428,6 +495,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2, help="(a): runs of each layout, round robin")
     ap.add_argument("--quick", action="store_true", help=f"(a): {len(QUICK)} of the {len(LAYOUTS)} layouts")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="(a): calibrate this machine before each round and predict the round on that profile",
+    )
     ap.add_argument("--skew", type=float, default=1.5, help="(b): dropless experts' worst rows over the mean")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -438,7 +510,7 @@ def main(argv=None) -> int:
             "| predicted model states (MB) | measured (MB) | predicted peak (MB) | measured peak (MB) | peak error |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        results["a"] = part_a(a.steps, a.quick, a.rounds)
+        results["a"] = part_a(a.steps, a.quick, a.rounds, a.calibrate)
     if "b" in a.part:
         results["b"] = part_b(a.skew)
     if a.out:

@@ -148,3 +148,33 @@ def test_the_planner_benchmarks_routing_skew_and_rank_correlation():
     assert _spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert _spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert _spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)  # ties share a rank
+
+
+def test_the_planner_benchmarks_profile_drift_is_rate_by_rate():
+    """``--calibrate``'s report of how far a fresh calibration lies from the shipped profile: the
+    median over the product shapes of the rate ratios, and the bandwidth's, an operator's and a
+    256 KiB All-to-All's ratios (1 everywhere against itself)."""
+    import dataclasses
+
+    from experiments.bench.plan import profile_drift
+
+    shipped = zplan.load_profile("cpu_2core")
+    assert profile_drift(shipped, shipped) == pytest.approx(
+        dict(matmul_rate=1.0, memory_bandwidth=1.0, op_overhead=1.0, all_to_all_256k=1.0)
+    )
+    scale = lambda i: 3.0 if i == 0 else 0.5  # noqa: E731
+    rows = {d: [[*r[:-1], r[-1] * scale(i)] for i, r in enumerate(v)] for d, v in shipped.matmul_flops.items()}
+    slower = dataclasses.replace(
+        shipped,
+        matmul_flops=rows,
+        memory_bandwidth=shipped.memory_bandwidth / 2,
+        op_overhead_s=shipped.op_overhead_s * 3,
+        collectives={
+            t: {op: dataclasses.replace(ab, alpha=ab.alpha * 2, beta=ab.beta / 2) for op, ab in ops.items()}
+            for t, ops in shipped.collectives.items()
+        },
+    )
+    d = profile_drift(slower, shipped)
+    # one shape 3x faster, every other at half: the median is a half
+    assert d["matmul_rate"] == pytest.approx(0.5) and d["memory_bandwidth"] == pytest.approx(0.5)
+    assert d["op_overhead"] == pytest.approx(3.0) and d["all_to_all_256k"] == pytest.approx(2.0)
