@@ -239,8 +239,9 @@ def part_a(steps: int, quick: bool, rounds: int = 2, calibrate: bool = False) ->
             # the time's: the same ratio, the mean over the steps timed (the All-to-Alls wait for it)
             time_skew = statistics.mean(_rank_skew([r], rec.ep) for r in rows_logged[2:])
             pred = zplan.predict(rec, costs, profile, time_skew=time_skew)
+            # without --calibrate the round's profile is the shipped one: the same prediction
             at_load = dataclasses.replace(shipped, background_load=load)
-            on_shipped = zplan.predict(rec, costs, at_load, time_skew=time_skew)
+            on_shipped = zplan.predict(rec, costs, at_load, time_skew=time_skew) if calibrate else pred
             run = dict(
                 predicted_s=pred.step_s,
                 predicted_s_shipped=on_shipped.step_s,
