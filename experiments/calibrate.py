@@ -22,8 +22,8 @@ from pathlib import Path
 import zero.plan as zplan
 
 
-def _time(fn, repeats: int, sync=lambda: None, best: bool = False) -> float:
-    """The median (or ``best``: the least) of ``repeats`` timed calls after one warm-up."""
+def _times(fn, repeats: int, sync=lambda: None) -> list[float]:
+    """``repeats`` timed calls after one warm-up, least first."""
     fn()
     sync()
     times = []
@@ -32,7 +32,12 @@ def _time(fn, repeats: int, sync=lambda: None, best: bool = False) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t)
-    times.sort()
+    return sorted(times)
+
+
+def _time(fn, repeats: int, sync=lambda: None, best: bool = False) -> float:
+    """The median (or ``best``: the least) of ``repeats`` timed calls after one warm-up."""
+    times = _times(fn, repeats, sync)
     return times[0] if best else times[len(times) // 2]
 
 
@@ -268,12 +273,11 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bo
                     fn()
 
             def per_call(work=None):
-                # the least of several batches (on a shared machine the others are the neighbours'
-                # noise), less a batch without the collective: the barrier, and the work if any
+                # a batch less one without the collective (the barrier, and the work if any)
                 nothing = lambda: None  # noqa: E731
-                t_with = _time(lambda: batch(work=work), 5, sync, best=True)
-                t_without = _time(lambda: batch(fn=nothing, work=work), 5, sync, best=True)
-                return (t_with - t_without) / reps / (2 if op == "p2p" else 1)
+                t_with = _times(lambda: batch(work=work), 5, sync)
+                t_without = _times(lambda: batch(fn=nothing, work=work), 5, sync)
+                return per_call_time(t_with, t_without, reps, op, typical=work is not None)
 
             t = per_call()
             idle[op].append(max(t, 1e-7))
@@ -286,6 +290,21 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bo
         q.put((res, idle))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def per_call_time(t_with: list[float], t_without: list[float], reps: int, op: str, typical: bool) -> float:
+    """One call's time from the timings of several batches of ``reps`` calls (``t_with``) and of
+    the same batches without the calls (``t_without``); a point-to-point batch goes there and
+    back, so half of it counts.
+
+    Which batch counts depends on what is timed. On idle cores (``typical`` False) the least: the
+    others carry the neighbours' noise, and this is the floor. Between computing ranks (``typical``)
+    the median, the typical batch, as the compute rates beside it are (``measure_cpu_busy``): there
+    a call now and then waits milliseconds for its peer's thread to be scheduled (a traced ep2
+    step's All-to-Alls: median 0.7-0.8 ms, mean 1.1-1.5 ms, docs/design.md), and a training step
+    pays those waits too."""
+    pick = statistics.median if typical else min
+    return (pick(t_with) - pick(t_without)) / reps / (2 if op == "p2p" else 1)
 
 
 # a CPU's ranks compute between their collectives: each timed call follows this much work

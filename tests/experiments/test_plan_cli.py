@@ -178,3 +178,41 @@ def test_the_planner_benchmarks_profile_drift_is_rate_by_rate():
     # one shape 3x faster, every other at half: the median is a half
     assert d["matmul_rate"] == pytest.approx(0.5) and d["memory_bandwidth"] == pytest.approx(0.5)
     assert d["op_overhead"] == pytest.approx(3.0) and d["all_to_all_256k"] == pytest.approx(2.0)
+
+
+def test_a_collective_between_computing_ranks_is_timed_by_its_typical_batch():
+    """Between computing ranks a call now and then waits for its peer's thread: the median batch
+    (as the compute rates beside it are medians) takes those waits in; on idle cores the least
+    batch is the floor. Each less the same kind of batch without the calls; p2p counts half."""
+    from experiments.calibrate import per_call_time
+
+    with_calls = [0.030, 0.021, 0.020, 0.050, 0.024]  # one batch slowed by a scheduling wait
+    without = [0.010, 0.011, 0.012, 0.010, 0.018]
+    assert per_call_time(with_calls, without, 10, "all_to_all", typical=True) == pytest.approx((0.024 - 0.011) / 10)
+    assert per_call_time(with_calls, without, 10, "all_to_all", typical=False) == pytest.approx((0.020 - 0.010) / 10)
+    assert per_call_time(with_calls, without, 10, "p2p", typical=False) == pytest.approx((0.020 - 0.010) / 20)
+
+
+def test_the_planner_benchmarks_layout_row_is_the_median_run():
+    """A layout's runs as one row: the median of the runs' measured steps and of their own
+    predictions, so one run slowed by the machine's other work does not move it."""
+    from experiments.bench.plan import layout_row
+
+    rec = zplan.LayoutRecord(world=2, batch_size=16)
+    runs = [
+        dict(
+            predicted_s=p,
+            predicted_s_shipped=p + 0.01,
+            measured_s=m,
+            predicted_model_states=5.0,
+            measured_model_states=5.0 + i,
+            predicted_peak=9.0,
+            measured_peak=8.0 + i,
+        )
+        for i, (p, m) in enumerate([(0.15, 0.15), (0.14, 0.40), (0.16, 0.16)])
+    ]
+    row = layout_row(rec, runs)
+    assert row["measured_s"] == pytest.approx(0.16) and row["predicted_s"] == pytest.approx(0.15)
+    assert row["predicted_s_shipped"] == pytest.approx(0.16)
+    assert row["measured_peak"] == 10.0 and row["measured_model_states"] == 7.0  # the largest
+    assert row["layout"] == rec.label() and row["runs"] is runs
