@@ -242,16 +242,16 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bo
     idle = {op: [] for op in zplan.profile.COLLECTIVES}
     compute = _busy_segment(BUSY_SEGMENT_S) if busy else None
 
-    def pingpong(t):  # half of it counts: there and back
+    def pingpong(t):  # ranks 0 and 1 (the others wait at the next barrier); half of it counts: there and back
         if rank == 0:
             dist.send(t, 1)
             dist.recv(t, 1)
-        else:
+        elif rank == 1:
             dist.recv(t, 0)
             dist.send(t, 0)
 
     for nbytes in sizes:
-        n = nbytes // 4
+        n = nbytes // 4 // world * world  # whole shards for reduce-scatter and all-gather
         full = torch.ones(n, device=device)
         part = torch.ones(n // world, device=device)
         ops = {

@@ -122,15 +122,17 @@ def test_calibration_keeps_the_median_of_its_repeats():
 
 
 @pytest.mark.distributed
-def test_calibrate_fits_the_collectives_of_two_gloo_ranks(tmp_path):
-    res = cli.measure_collectives("gloo", sizes=[1 << 12, 1 << 20, 1 << 22])
-    assert res["busy"]  # gloo: timed between computing ranks
+def test_calibrate_fits_the_collectives_of_gloo_ranks(tmp_path):
+    # three ranks: the point-to-point pair is ranks 0 and 1, and the third waits for them (it once
+    # waited for a message nobody sent, until gloo's timeout)
+    res = cli.measure_collectives("gloo", world=3, sizes=[1 << 12, 1 << 20, 1 << 22])
+    assert res["busy"] and res["world"] == 3  # gloo: timed between computing ranks
     for op, ab in res["fitted"].items():
         assert ab["beta"] > 0 and ab["alpha"] >= 0, op
         assert [s for s, _ in res["raw"][op]] == [1 << 12, 1 << 20, 1 << 22]
         # fitted to the times between computing ranks, never below the idle cores' (their floor)
         assert all(t >= t_idle for (_, t), (_, t_idle) in zip(res["raw"][op], res["idle"][op])), op
-        want = zplan.fit_alpha_beta(op, 2, [1 << 12, 1 << 20, 1 << 22], [t for _, t in res["raw"][op]])
+        want = zplan.fit_alpha_beta(op, 3, [1 << 12, 1 << 20, 1 << 22], [t for _, t in res["raw"][op]])
         assert ab == {"alpha": want.alpha, "beta": want.beta}, op
 
 
