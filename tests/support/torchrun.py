@@ -10,11 +10,21 @@ marked ``@pytest.mark.distributed`` (tests/test_markers.py knows this helper's n
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 from tests.support.dist import require_distributed_marker
 from tests.support.paths import ROOT
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone, with its ranks
+        pass
 
 
 def run_torchrun_nodes(
@@ -39,16 +49,49 @@ def run_torchrun_nodes(
         "experiments.train",
         *args,
     ]
+    # each agent writes to files, not pipes: a pipe read one agent after the other fills up for
+    # the agent not being read (64 KiB: a few screens of its ranks' warnings) and blocks its ranks
+    # in a write, the other agent's ranks in the next collective, and the test on the first agent.
+    # Each agent leads a process group of its own, so a hung one is killed with its ranks
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nnodes)]
     procs = [
-        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(nnodes)
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        for out, err in files
     ]
+    deadline = time.monotonic() + timeout
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    _kill_group(q)
+                    q.wait()
+                tails = [
+                    f"--- agent {i} (exit {q.returncode}) stdout:\n{out[-2000:]}\n--- stderr:\n{err[-6000:]}"
+                    for i, (q, (out, err)) in enumerate(zip(procs, _read(files)))
+                ]
+                raise TimeoutError(
+                    f"{nnodes} torchrun agents did not finish within {timeout:g} s: {' '.join(cmd)}\n"
+                    + "\n".join(tails)
+                ) from None
+        outs = _read(files)
     finally:
         for p in procs:  # a hung agent (and its ranks) must not outlive the test
             if p.poll() is None:
-                p.kill()
+                _kill_group(p)
                 p.wait()
+        for out, err in files:
+            out.close()
+            err.close()
         del store
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def _read(files) -> list[tuple[str, str]]:
+    got = []
+    for out, err in files:
+        out.seek(0)
+        err.seek(0)
+        got.append((out.read(), err.read()))
+    return got

@@ -181,7 +181,13 @@ def predict(
             sum(saved(j) for j in range(*stages[s])) - hidden[s] + out[s] - (recv_in[s] if own_input else 0.0)
             for s in range(n_st)
         ]
-        stage_keep = [sum(keep(j) for j in range(*stages[s])) for s in range(n_st)]
+        # what the weight pass still needs after the input pass, of what the forward added to the
+        # walk: the kernel's pooled hiddens are held apart (stage_held), so they leave no hole here
+        # (a split backward's input pass frees none of the stage's saved tensors: the weight pass
+        # reads them, from the pool or not)
+        stage_keep = [
+            max(0.0, min(sum(keep(j) for j in range(*stages[s])) - hidden[s], stage_act[s])) for s in range(n_st)
+        ]
         stage_extra = [sum(extra_rows(j) for j in range(*stages[s])) for s in range(n_st)]
         live = live_plan(plan, stage_act, stage_keep, stage_extra)
         stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
