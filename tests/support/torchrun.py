@@ -9,6 +9,7 @@ marked ``@pytest.mark.distributed`` (tests/test_markers.py knows this helper's n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,10 +22,8 @@ from tests.support.paths import ROOT
 
 
 def _kill_group(p: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # already gone, with its ranks
         os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:  # already gone, with its ranks
-        pass
 
 
 def run_torchrun_nodes(
