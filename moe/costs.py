@@ -28,11 +28,39 @@ _BYTES = {"fp32": 4, "bf16": 2}
 # it): an RMSNorm, attention (its projections, rotary halves, SDPA), MLA (q by rank or not), a q/k
 # norm, a SwiGLU or GELU FFN, the MoE layer's router, statistics and aux losses and routed experts,
 # the shared experts' gate, the head with its loss, the block's two residual additions
-# bytes the forward's non-matmul operators read and write, over the bytes saved for backward: casts,
-# norms, rotary halves, softmax, residuals, and an MoE layer's routing, statistics (float64) and
-# permutations; measured with a TorchDispatchMode over these blocks (tests/moe/test_costs.py)
-_TRAFFIC_DENSE, _TRAFFIC_MOE = 2.6, 6.4
 _OPS = dict(norm=6, attn=41, mla=82, mla_q_lora=11, qk_norm=7, swiglu=11, gelu=7, moe=253, gate=5, head=16, residual=2)
+
+
+# bytes the forward's non-matmul operators read and write per token, counted operator by operator
+# from the code as written (a TorchDispatchMode over these blocks holds them to it:
+# tests/moe/test_costs.py); each term below names the operators it counts. The router and the
+# routing metadata (moe.router, routing_kernels' reference metadata: fp32 scores, top-k, the
+# statistics and losses, sorts and offsets of the slots), per routed slot and per expert, by score
+# function; a capacity adds the drop ranking per slot
+_ROUTING_BYTES = dict(softmax=(442, 65), sigmoid=(490, 109))
+_CAPACITY_SLOT_BYTES = 316
+
+
+def _cast(width: float, c: int) -> float:
+    """An upcast to fp32 and back (read c, write 4; read 4, write c per element); none in fp32."""
+    return 0.0 if c == 4 else 2 * (c + 4) * width
+
+
+def _norm_traffic(width: float, c: int) -> float:
+    # moe.attention.RMSNorm: the casts, the square (8), the mean (4 + 4), eps and rsqrt (16), the
+    # normalising product (8 + 4), the gain (2c)
+    return _cast(width, c) + 20 * width + 24 + 2 * c * width
+
+
+def _rotary_traffic(width: float, c: int) -> float:
+    # moe.rope.apply_rotary on ``width`` rotated values, in fp32: two products (16), the halves'
+    # difference and sum (6 + 6), their concatenation (8), and the casts
+    return 36 * width + _cast(width, c)
+
+
+def _act_traffic(f: float, activation: str, c: int) -> float:
+    # silu (read, write) and the product with the up projection (two reads, a write); gelu (read, write)
+    return (5 if activation == "swiglu" else 2) * c * f
 
 
 def _norm_saved(width: int, c: int) -> float:
@@ -85,7 +113,11 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
         wgrad += c * (D + kvr + H * O) + c * (kvr + rope + H * (nope + O) + D)
         transient = c * (2 * H * J + 2 * H * O)
         ops = _OPS["mla"] + (_OPS["mla_q_lora"] if qr is not None else 0)
-        return tuple(mms) + scores, params, saved, wgrad, transient, ops
+        # the latents' norms, the rotary query parts and the shared rotary key, the two [nope | rope]
+        # concatenations, the heads merged (a copy)
+        traffic = (_norm_traffic(qr, c) if qr is not None else 0.0) + _norm_traffic(kvr, c)
+        traffic += _rotary_traffic(H * rope, c) + _rotary_traffic(rope, c) + 2 * 2 * c * H * J + 2 * c * H * O
+        return tuple(mms) + scores, params, saved, wgrad, transient, ops, traffic
     Z = cfg.kv_heads
     params = D * (H + 2 * Z) * J + H * J * D
     if cfg.qkv_bias:
@@ -103,7 +135,13 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
     wgrad = c * (D + H * O) + c * ((H + 2 * Z) * J + D)
     transient = c * (H + 2 * Z) * J
     ops = _OPS["attn"] + (2 * _OPS["qk_norm"] if cfg.qk_norm != "none" else 0)
-    return mms, params, saved, wgrad, transient, ops
+    # the rotary queries and keys, the heads merged (a copy), the q/k norms
+    traffic = _rotary_traffic((H + Z) * J, c) + 2 * c * H * O
+    if cfg.qk_norm == "head":
+        traffic += (H + Z) * _norm_traffic(J, c)
+    elif cfg.qk_norm == "proj":
+        traffic += _norm_traffic(H * J, c) + _norm_traffic(Z * J, c)
+    return mms, params, saved, wgrad, transient, ops, traffic
 
 
 EXPERT_KERNELS = ("grouped", "fused")
@@ -170,7 +208,7 @@ def model_costs(
             boundary_bytes=c * D,
         )
     ]
-    attn_mms, attn_params, attn_saved, attn_wgrad, attn_transient, attn_ops = _attention(cfg, c, L)
+    attn_mms, attn_params, attn_saved, attn_wgrad, attn_transient, attn_ops, attn_traffic = _attention(cfg, c, L)
     for i in range(cfg.n_layers):
         # two RMSNorms, each followed by a projection that saves its output
         norms = 2 * _norm_saved(D, c) + 2 * c * D
@@ -181,6 +219,7 @@ def model_costs(
         wgrad = attn_wgrad
         transient = 2 * c * D + attn_transient
         ops = 2 * _OPS["norm"] + attn_ops + _OPS["residual"]
+        traffic = 2 * _norm_traffic(D, c) + attn_traffic + 2 * 3 * c * D  # and the two residual additions
         moe_fields = {}
         if cfg.is_moe_block(i):
             m = cfg.moe
@@ -199,6 +238,16 @@ def model_costs(
                 row_saved = c * m.d_ff * (2 if m.activation == "swiglu" else 1) + 12
             saved += K * row_saved
             wgrad += e_wgrad
+            # the router's fp32 input, its passes per expert, the routing metadata; per routed row
+            # its activation and the rows' moves: the reference and CPU kernels gather the rows in,
+            # assemble the experts' outputs and gather them back (a read and a write each; the
+            # weighted sum is a product), the GPU's grouped path permutes, masks the segments'
+            # tail and combines (Triton: rows read, the sum written)
+            per_slot, per_expert = _ROUTING_BYTES[m.score_func]
+            per_slot += _CAPACITY_SLOT_BYTES if m.capacity_factor is not None else 0
+            traffic += (0.0 if c == 4 else (c + 4) * D) + per_slot * K + per_expert * E
+            moves = 5 * K * c * D + c * D if experts == "grouped" else 6 * K * c * D
+            traffic += K * _act_traffic(m.d_ff, m.activation, c) + moves
             # the fused kernel's backward works in its pool's buffers, or heap ones of the same
             # shapes (``_fused_pool``; zero.plan's kernel_buffers and workspace), not in [rows, F] temporaries
             if experts == "grouped":
@@ -213,11 +262,13 @@ def model_costs(
                 wgrad += s_wgrad
                 transient = max(transient, s_transient)
                 ops += _OPS[m.activation]
+                traffic += _act_traffic(m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c) + 3 * c * D
             if m.shared_expert_gate:
                 mms.append(MatMul(k=D, n=1))
                 params_dense += D
                 saved += 2 * c
                 ops += _OPS["gate"]
+                traffic += 2 * c * D + 3 * c  # its sigmoid and the product
             ops += _OPS["moe"]
             moe_fields = dict(
                 num_experts=E,
@@ -239,13 +290,14 @@ def model_costs(
             wgrad += f_wgrad
             transient = max(transient, f_transient)
             ops += _OPS["swiglu"]
+            traffic += _act_traffic(cfg.d_ff, "swiglu", c)
         blocks.append(
             BlockCost(
                 name=f"block{i}" + (" (moe)" if moe_fields else ""),
                 params_dense=params_dense,
                 params_expert=params_expert,
                 matmuls=tuple(mms),
-                elementwise_bytes=(_TRAFFIC_MOE if moe_fields else _TRAFFIC_DENSE) * saved,
+                elementwise_bytes=traffic,
                 ops=ops,
                 act_bytes=saved,
                 act_bytes_checkpointed=c * D,  # the block's input only

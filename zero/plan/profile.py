@@ -102,6 +102,10 @@ class Profile:
     # devices of a node that compute at the same time (a CPU's cores: more ranks than cores share them)
     compute_slots: int | None = None
     op_overhead_s: float = 0.0  # fixed cost of one dispatched operator (launch, dispatch, autograd bookkeeping)
+    # bytes/s of a block's non-matmul operators (each one's inputs read, its output written) beyond
+    # their fixed cost; None: memory_bandwidth (a GPU's elementwise kernels run near it, a CPU's
+    # well under it: experiments.calibrate.measure_elementwise)
+    elementwise_bandwidth: float | None = None
     # other work that shares the node's compute slots, in busy processes (0 on dedicated GPUs; on a
     # shared host measured from the share s of a core one busy process gets: slots / s - 1)
     background_load: float = 0.0
@@ -180,6 +184,11 @@ class Profile:
         return self.collectives[tier][op]
 
     @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of the non-matmul operators (``elementwise_bandwidth``, else ``memory_bandwidth``)."""
+        return self.memory_bandwidth if self.elementwise_bandwidth is None else self.elementwise_bandwidth
+
+    @property
     def slots(self) -> int:
         return self.node_size if self.compute_slots is None else self.compute_slots
 
@@ -213,6 +222,8 @@ class Profile:
         for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s", "background_load"):
             if key in d:
                 d[key] = float(d[key])
+        if d.get("elementwise_bandwidth") is not None:
+            d["elementwise_bandwidth"] = float(d["elementwise_bandwidth"])
         for key in ("matmul_flops", "attention_flops"):
             d[key] = {k: [[float(x) for x in row] for row in v] for k, v in (d.get(key) or {}).items()}
         return cls(**d)

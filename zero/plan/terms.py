@@ -219,7 +219,7 @@ class _Costing:
             w += max(flops / p.matmul_rate(self.dtype, mm.k, rows, mm.n), floor)
         held = b.params_dense + b.params_expert / rec.ep
         weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
-        elem = T * b.elementwise_bytes / p.memory_bandwidth
+        elem = T * b.elementwise_bytes / p.elementwise_rate
         # the backward dispatches ~1.7x the forward's operators (counted: 1.5x for an MoE block,
         # 1.9x for a dense one) and moves ~2.3x its bytes, most of both for the input gradient
         f += elem + weights + b.ops * p.op_overhead_s
