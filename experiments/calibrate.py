@@ -74,9 +74,9 @@ def measure_elementwise(device, sync, best: bool, op_overhead_s: float) -> float
     pair of products and their concatenation, a SwiGLU activation, a residual addition, on one
     micro-batch's rows at a model's widths (the CPU: fp32, 1,024 rows of 64 and 256, the tensors of
     the models a CPU trains; a GPU: bf16, 16,384 rows of 1,024, 4,096 and 16,384). Their time less
-    their operators' fixed cost (``op_overhead_s``, which the planner counts apart). On a CPU these run well under the large
-    copy's bandwidth (one core's exp, square and reduction; measured here 19 GB/s at 64 KiB tensors,
-    9 at 1 MiB, 3 at 64 MiB, against a 30 GB/s copy), on a GPU near it."""
+    their operators' fixed cost (``op_overhead_s``, which the planner counts apart). On a CPU these
+    run well under the large copy's bandwidth (one core's exp, square and reduction; measured here
+    19 GB/s at 64 KiB tensors, 9 at 1 MiB, 3 at 64 MiB, against a 30 GB/s copy), on a GPU near it."""
     import torch
     import torch.nn.functional as nnf
 
