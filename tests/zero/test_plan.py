@@ -541,6 +541,30 @@ def test_attention_takes_its_kernels_measured_rate_and_backward():
         _profile(attention_flops={"fp32": [[8.0, 8.0, -1.0, 2.0]]})
 
 
+def test_the_elementwise_bytes_take_the_elementwise_rate_and_fall_back_to_the_copys():
+    """A block's non-matmul bytes run at the profile's ``elementwise_bandwidth`` where it has one
+    (a CPU's operators run well under its copy bandwidth), else at ``memory_bandwidth``: by hand,
+    each pass's share (1, 1.6 and 0.7 of the forward's bytes) of the difference between the two."""
+    from zero.plan.terms import _Costing
+
+    costs = model_costs(model_config(cfg_of(*MODEL)), 8)
+    block = next(b for b in costs.blocks if b.is_moe)
+    r = zplan.LayoutRecord(world=1, batch_size=4)
+    copy_rate = _profile()
+    assert copy_rate.elementwise_rate == copy_rate.memory_bandwidth
+    same = _profile(elementwise_bandwidth=copy_rate.memory_bandwidth)
+    slow = _profile(elementwise_bandwidth=copy_rate.memory_bandwidth / 4)
+    base = _Costing(r, costs, copy_rate, None)
+    t_copy, t_same, t_slow = (_Costing(r, costs, p, None).compute(block) for p in (copy_rate, same, slow))
+    extra = base.tokens * block.elementwise_bytes * (4 - 1) / copy_rate.memory_bandwidth * base.contention
+    for k, share in zip("FIW", (1.0, 1.6, 0.7)):
+        assert t_same[k] == pytest.approx(t_copy[k], rel=1e-12)
+        assert t_slow[k] - t_copy[k] == pytest.approx(share * extra, rel=1e-9), k
+    loaded = Profile.from_dict(slow.to_dict())
+    assert loaded.elementwise_bandwidth == slow.elementwise_bandwidth
+    assert Profile.from_dict(copy_rate.to_dict()) == copy_rate
+
+
 def test_each_pass_of_a_product_takes_the_rate_of_its_own_shape():
     """The forward [rows, k] @ [k, n], the input gradient [rows, n] @ [n, k] and the weight gradient
     [k, rows] @ [rows, n] each at the profile's rate for that shape: by hand on a profile whose
