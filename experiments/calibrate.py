@@ -227,6 +227,10 @@ def measure_attention(device, dtype, quick: bool = False, sync=lambda: None, bes
     return rows
 
 
+# the device's scalar rates measure_device returns (a profile's fields of the same names)
+_RATES = ("memory_bandwidth", "elementwise_bandwidth", "op_overhead_s", "host_link_bandwidth", "host_adam_params_per_s")
+
+
 def _busy_worker(rank: int, quick: bool, barrier, q) -> None:
     import torch
 
@@ -261,9 +265,8 @@ def measure_cpu_busy(cores: int, quick: bool = False) -> dict:
             [*row[:2], *(sum(r["attention_flops"][dtype][i][j] for r in runs) / len(runs) for j in (2, 3))]
             for i, row in enumerate(rows)
         ]
-    for key in ("memory_bandwidth", "elementwise_bandwidth", "op_overhead_s", "host_link_bandwidth"):
+    for key in _RATES:
         out[key] = sum(r[key] for r in runs) / len(runs)
-    out["host_adam_params_per_s"] = sum(r["host_adam_params_per_s"] for r in runs) / len(runs)
     return out
 
 
@@ -471,15 +474,7 @@ def run_calibrate(argv: list[str]) -> int:
     d = dict(base)
     d.update(name=name, notes="")
     sources = dict(base.get("sources") or {})
-    for key in (
-        "matmul_flops",
-        "attention_flops",
-        "memory_bandwidth",
-        "elementwise_bandwidth",
-        "op_overhead_s",
-        "host_link_bandwidth",
-        "host_adam_params_per_s",
-    ):
+    for key in ("matmul_flops", "attention_flops", *_RATES):
         d[key] = m[key]
         sources[key] = (
             f"measured by python -m experiments.plan --calibrate on {device}, "
