@@ -22,6 +22,36 @@ import torch.nn.functional as nnf
 from .rope import apply_rotary
 
 
+class _RMSNorm(torch.autograd.Function):
+    """``(x * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight``, normalised in fp32, keeping for the
+    backward the input as it came and the fp32 reciprocal root only. Autograd over the same
+    operators would keep the input's fp32 copy and the normalised value as well (4 + c bytes a
+    value more, c the input's element size). The backward recomputes the normalised value and runs
+    autograd's own formulas in autograd's order, so forward and gradients match it bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.float()
+        r = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, r)
+        return (x32 * r).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, r = ctx.saved_tensors
+        x32 = x.float()
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * (x32 * r).to(x.dtype)).sum_to_size(weight.shape).to(weight.dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, grad_w, None
+        grad_n = (grad * weight).to(x.dtype).float()  # the product's, then the cast's
+        # x32 * r, r = rsqrt(s), s = mean(x32^2) + eps: rsqrt's -0.5 r^3, mean's 1 / width, square's 2 x
+        grad_s = (grad_n * x32).sum(-1, keepdim=True) * (-0.5 * r.pow(3))
+        grad_x = grad_n * r + grad_s.expand_as(x32) / x32.shape[-1] * (2 * x32)
+        return grad_x.to(x.dtype), grad_w, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -30,8 +60,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # normalise in fp32: under bf16 autocast the mean of squares loses too many bits
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return _RMSNorm.apply(x, self.weight, self.eps)
 
 
 def document_mask(segment_BL: torch.Tensor) -> torch.Tensor:

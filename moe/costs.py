@@ -28,7 +28,7 @@ _BYTES = {"fp32": 4, "bf16": 2}
 # it): an RMSNorm, attention (its projections, rotary halves, SDPA), MLA (q by rank or not), a q/k
 # norm, a SwiGLU or GELU FFN, the MoE layer's router, statistics and aux losses and routed experts,
 # the shared experts' gate, the head with its loss, the block's two residual additions
-_OPS = dict(norm=6, attn=41, mla=82, mla_q_lora=11, qk_norm=7, swiglu=11, gelu=7, moe=253, gate=5, head=16, residual=2)
+_OPS = dict(norm=5, attn=41, mla=81, mla_q_lora=10, qk_norm=6, swiglu=11, gelu=7, moe=253, gate=5, head=15, residual=2)
 
 
 # bytes the forward's non-matmul operators read and write per token, counted operator by operator
@@ -63,10 +63,16 @@ def _act_traffic(f: float, activation: str, c: int) -> float:
     return (5 if activation == "swiglu" else 2) * c * f
 
 
-def _norm_saved(width: int, c: int) -> float:
-    # moe.attention.RMSNorm: its fp32 input (the input itself when fp32, else a copy), the rsqrt,
-    # and the normalised value the gain multiplies
-    return 4 * width + 4 + c * width
+def _norm_saved(width: int, c: int, input_saved: bool = False) -> float:
+    # moe.attention.RMSNorm: its input as it came (nothing more when a view of a tensor saved
+    # already: the q/k norms' of the qkv projection's output) and the fp32 reciprocal root
+    return 4 + (0 if input_saved else c * width)
+
+
+def _norm_recompute(width: float, c: int) -> float:
+    # what RMSNorm's backward recomputes of its forward: the upcast, the normalising product (8),
+    # the cast back (the gain's gradient takes the normalised value)
+    return _cast(width, c) + 8 * width
 
 
 def _ffn(d: int, f: int, activation: str, c: int, rows: float = 1.0, expert: bool = False):
@@ -96,7 +102,7 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
     )
     if cfg.attention == "mla":
         qr, kvr, rope, nope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
-        mms, params, saved, wgrad = [], 0, 0.0, 0.0
+        mms, params, saved, wgrad, recompute = [], 0, 0.0, 0.0, 0.0
         if qr is None:
             mms.append(MatMul(k=D, n=H * J))
             params += D * H * J
@@ -104,12 +110,15 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
             mms += [MatMul(k=D, n=qr), MatMul(k=qr, n=H * J)]
             params += D * qr + qr + qr * H * J
             saved += _norm_saved(qr, c) + c * qr
+            recompute += _norm_recompute(qr, c)
             wgrad += c * (qr + qr + H * J)
         mms += [MatMul(k=D, n=kvr + rope), MatMul(k=kvr, n=H * (nope + O)), MatMul(k=H * O, n=D)]
         params += D * (kvr + rope) + kvr + kvr * H * (nope + O) + H * O * D
-        # the latent's norm and kv_b's input; q and k concatenated per head; v, a view of kv_b's
-        # output, keeps all of it alive; SDPA's output and logsumexp; the output projection's input
-        saved += _norm_saved(kvr, c) + c * kvr + c * 2 * H * J + c * H * (nope + O) + c * H * O + 4 * H + c * H * O
+        # the latent's norm (its input a view of kv_a's whole output) and kv_b's input; q and k
+        # concatenated per head; v, a view of kv_b's output, keeps all of it alive; SDPA's output
+        # and logsumexp; the output projection's input
+        recompute += _norm_recompute(kvr, c)
+        saved += _norm_saved(kvr + rope, c) + c * kvr + c * 2 * H * J + c * H * (nope + O) + c * H * O + 4 * H + c * H * O
         wgrad += c * (D + kvr + H * O) + c * (kvr + rope + H * (nope + O) + D)
         transient = c * (2 * H * J + 2 * H * O)
         ops = _OPS["mla"] + (_OPS["mla_q_lora"] if qr is not None else 0)
@@ -117,7 +126,7 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
         # concatenations, the heads merged (a copy)
         traffic = (_norm_traffic(qr, c) if qr is not None else 0.0) + _norm_traffic(kvr, c)
         traffic += _rotary_traffic(H * rope, c) + _rotary_traffic(rope, c) + 2 * 2 * c * H * J + 2 * c * H * O
-        return tuple(mms) + scores, params, saved, wgrad, transient, ops, traffic
+        return tuple(mms) + scores, params, saved, wgrad, transient, ops, traffic, recompute
     Z = cfg.kv_heads
     params = D * (H + 2 * Z) * J + H * J * D
     if cfg.qkv_bias:
@@ -125,12 +134,15 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
     # the rotated q and k; v, a view of the fused projection's output, keeps all of it alive; SDPA's
     # output and logsumexp; the output projection's input (a contiguous copy of that output)
     saved = c * (H * J + Z * J) + c * (H + 2 * Z) * J + c * H * O + 4 * H + c * H * O
-    if cfg.qk_norm == "head":
+    recompute = 0.0
+    if cfg.qk_norm == "head":  # the norms' inputs are views of the qkv projection's output
         params += 2 * J
-        saved += (H + Z) * _norm_saved(J, c)
+        saved += (H + Z) * _norm_saved(J, c, input_saved=True)
+        recompute += (H + Z) * _norm_recompute(J, c)
     elif cfg.qk_norm == "proj":
         params += H * J + Z * J
-        saved += _norm_saved(H * J, c) + _norm_saved(Z * J, c)
+        saved += 2 * _norm_saved(0, c, input_saved=True)
+        recompute += _norm_recompute((H + Z) * J, c)
     mms = (MatMul(k=D, n=(H + 2 * Z) * J), MatMul(k=H * J, n=D)) + scores
     wgrad = c * (D + H * O) + c * ((H + 2 * Z) * J + D)
     transient = c * (H + 2 * Z) * J
@@ -141,7 +153,7 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
         traffic += (H + Z) * _norm_traffic(J, c)
     elif cfg.qk_norm == "proj":
         traffic += _norm_traffic(H * J, c) + _norm_traffic(Z * J, c)
-    return mms, params, saved, wgrad, transient, ops, traffic
+    return mms, params, saved, wgrad, transient, ops, traffic, recompute
 
 
 EXPERT_KERNELS = ("grouped", "fused")
@@ -184,10 +196,10 @@ def model_costs(
     """The ``ModelCosts`` of ``cfg`` trained on sequences of ``seq_len`` tokens with activations in
     ``act_dtype`` (``fp32``, or ``bf16`` under autocast or ZeRO's bf16 compute weights).
     ``experts``: what the routed experts save per row, by the kernel that runs them: ``grouped``
-    (GPU: rows permuted into expert order, grouped GEMMs with autograd, the rows combined back: the
-    rows in and out, each hidden projection, the activation and the product), or ``fused`` (the CPU
-    kernel, ``routing_kernels.cpu_experts``: the hidden projections and each row's source and
-    weight)."""
+    (GPU: rows permuted into expert order, grouped GEMMs, the rows combined back: the rows in and
+    out and the hidden projections, from which its backward recomputes the activation), or
+    ``fused`` (the CPU kernel, ``routing_kernels.cpu_experts``: the hidden projections and each
+    row's source and weight)."""
     if act_dtype not in _BYTES:
         raise ValueError(f"act_dtype={act_dtype!r} is invalid: expected one of {tuple(_BYTES)}")
     if experts not in EXPERT_KERNELS:
@@ -208,7 +220,9 @@ def model_costs(
             boundary_bytes=c * D,
         )
     ]
-    attn_mms, attn_params, attn_saved, attn_wgrad, attn_transient, attn_ops, attn_traffic = _attention(cfg, c, L)
+    attn_mms, attn_params, attn_saved, attn_wgrad, attn_transient, attn_ops, attn_traffic, attn_recompute = _attention(
+        cfg, c, L
+    )
     for i in range(cfg.n_layers):
         # two RMSNorms, each followed by a projection that saves its output
         norms = 2 * _norm_saved(D, c) + 2 * c * D
@@ -221,6 +235,7 @@ def model_costs(
         ops = 2 * _OPS["norm"] + attn_ops + _OPS["residual"]
         traffic = 2 * _norm_traffic(D, c) + attn_traffic + 2 * 3 * c * D  # and the two residual additions
         moe_fields = {}
+        recompute = 2 * _norm_recompute(D, c) + attn_recompute
         if cfg.is_moe_block(i):
             m = cfg.moe
             E, K = m.num_experts, m.top_k
@@ -229,13 +244,16 @@ def model_costs(
             # router: fp32 input (when the model is not), probabilities, logits for the z-loss,
             # the kept weights; per routed row its indices
             saved += (4 * D if c != 4 else 0) + 3 * 4 * E + 16 * K
-            e_mms, e_params, e_saved, e_wgrad, e_transient = _ffn(D, m.d_ff, m.activation, c, rows=K, expert=True)
+            e_mms, e_params, _, e_wgrad, e_transient = _ffn(D, m.d_ff, m.activation, c, rows=K, expert=True)
             mms += e_mms
             params_expert += E * e_params
-            if experts == "grouped":  # per row: its input and output rows, the FFN's saved hiddens, its slot
-                row_saved = c * 2 * D + e_saved / K + 8
-            else:  # the fused kernel keeps the hidden projections, each row's source (long) and weight
-                row_saved = c * m.d_ff * (2 if m.activation == "swiglu" else 1) + 12
+            # both kernels keep the hidden projections only (h1 and h3; the backward recomputes the
+            # activation and the product from them)
+            hidden = c * m.d_ff * (2 if m.activation == "swiglu" else 1)
+            if experts == "grouped":  # per row: its input and output rows, the hidden projections, its slot
+                row_saved = c * 2 * D + hidden + 8
+            else:  # the fused kernel: the hidden projections, each row's source (long) and weight
+                row_saved = hidden + 12
             saved += K * row_saved
             wgrad += e_wgrad
             # the router's fp32 input, its passes per expert, the routing metadata; per routed row
@@ -252,6 +270,8 @@ def model_costs(
             # shapes (``_fused_pool``; zero.plan's kernel_buffers and workspace), not in [rows, F] temporaries
             if experts == "grouped":
                 transient = max(transient, e_transient + 2 * c * D * K)
+                # its backward recomputes the activation and the product from the hidden projections
+                recompute += K * _act_traffic(m.d_ff, m.activation, c)
             if m.num_shared_experts:
                 s_mms, s_params, s_saved, s_wgrad, s_transient = _ffn(
                     D, m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c
@@ -298,6 +318,7 @@ def model_costs(
                 params_expert=params_expert,
                 matmuls=tuple(mms),
                 elementwise_bytes=traffic,
+                recompute_bytes=recompute,
                 ops=ops,
                 act_bytes=saved,
                 act_bytes_checkpointed=c * D,  # the block's input only
@@ -314,6 +335,7 @@ def model_costs(
             params_dense=D + (0 if tied else V * D),
             matmuls=(MatMul(k=D, n=V),),
             elementwise_bytes=2 * c * D + 3 * 4 * V,
+            recompute_bytes=_norm_recompute(D, c),
             ops=_OPS["head"],
             # the norm, lm_head's input, the loss's fp32 log-probabilities
             act_bytes=_norm_saved(D, c) + c * D + 4 * V,

@@ -2,7 +2,9 @@
 ``routing_kernels.expert_ffn`` (bf16 on Hopper by default; see ``dispatch.expert_backend``).
 
 Shapes follow the project's legend (docs/design.md): S rows in expert order, D model dim, F expert
-hidden dim, X experts held here. Autograd differentiates ``_grouped_mm`` itself.
+hidden dim, X experts held here. Autograd differentiates the two up projections' ``_grouped_mm``;
+the activation and the down projection are one function (``_ActDown``) that keeps only the hidden
+projections for the backward and recomputes the activation there.
 
 The segment ends are computed on the device from the counts (a cumulative sum), so nothing here
 reads the routing on the host: the op runs under ``torch.cuda.set_sync_debug_mode("error")`` and
@@ -56,15 +58,51 @@ def preferred(x_SD: torch.Tensor, w1_XDF: torch.Tensor) -> bool:
     )
 
 
+def _activation(h1_SF, h3_SF):
+    """SwiGLU's ``silu(h1) * h3`` (and silu's output, which its gradient takes), or GELU's ``gelu(h1)``."""
+    if h3_SF is None:
+        return nnf.gelu(h1_SF), None
+    silu_SF = nnf.silu(h1_SF)
+    return silu_SF * h3_SF, silu_SF
+
+
+class _ActDown(torch.autograd.Function):
+    """``act(h1, h3) @ w2[e]`` per segment, saving only the hidden projections ``h1`` (and ``h3``):
+    the backward recomputes the activation from them, one elementwise pass, where autograd would
+    keep silu's output, the product and the down projection's input as well (2F values a row
+    instead of 4F; GELU 1F instead of 2F). The gradients are autograd's own operators in its order
+    (``_grouped_mm`` transposed, ``silu_backward``/``gelu_backward``), so they match it bit for bit.
+    The CPU block kernel keeps the same two (``routing_kernels.cpu.blocks``)."""
+
+    @staticmethod
+    def forward(ctx, h1_SF, h3_SF, w2_XFD, ends_X):
+        act_SF, _ = _activation(h1_SF, h3_SF)
+        ctx.save_for_backward(h1_SF, h3_SF, w2_XFD, ends_X)
+        return torch._grouped_mm(act_SF, w2_XFD, offs=ends_X)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        h1_SF, h3_SF, w2_XFD, ends_X = ctx.saved_tensors
+        grad_SD = grad_SD.contiguous()
+        act_SF, silu_SF = _activation(h1_SF, h3_SF)
+        grad_w2 = torch._grouped_mm(act_SF.t(), grad_SD, offs=ends_X) if ctx.needs_input_grad[2] else None
+        del act_SF  # freed before the next [S, F] buffers: the backward holds three at most
+        grad_act = torch._grouped_mm(grad_SD, w2_XFD.transpose(-2, -1), offs=ends_X)
+        if h3_SF is None:
+            return torch.ops.aten.gelu_backward(grad_act, h1_SF), None, grad_w2, None
+        grad_h3 = grad_act * silu_SF
+        del silu_SF
+        grad_silu = grad_act * h3_SF
+        del grad_act
+        return torch.ops.aten.silu_backward(grad_silu, h1_SF), grad_h3, grad_w2, None
+
+
 def expert_ffn(x_SD, counts_X: torch.Tensor, w1_XDF, w3_XDF, w2_XFD):
     """``counts_X``: rows per expert, a tensor on ``x_SD``'s device."""
     # segment ends, as _grouped_mm takes them (int32)
     ends_X = torch.cumsum(counts_X, 0).to(torch.int32)
     h1_SF = torch._grouped_mm(x_SD, w1_XDF, offs=ends_X)
-    if w3_XDF is not None:
-        act_SF = nnf.silu(h1_SF) * torch._grouped_mm(x_SD, w3_XDF, offs=ends_X)
-    else:
-        act_SF = nnf.gelu(h1_SF)
-    out_SD = torch._grouped_mm(act_SF, w2_XFD, offs=ends_X)
+    h3_SF = None if w3_XDF is None else torch._grouped_mm(x_SD, w3_XDF, offs=ends_X)
+    out_SD = _ActDown.apply(h1_SF, h3_SF, w2_XFD, ends_X)
     kept_S1 = (torch.arange(out_SD.shape[0], device=out_SD.device) < ends_X[-1:]).unsqueeze(1)
     return torch.where(kept_S1, out_SD, out_SD.new_zeros(()))

@@ -197,3 +197,27 @@ def test_split_backward_computes_each_gradient_once(backend, tokens, swiglu, sma
     want = torch.autograd.grad(ref, inputs + params, g.double())
     for a, b, name in zip([*dinputs, *dparams], want, ["x", "weights", "w1", "w3", "w2"] if tokens else ["x", *"123"]):
         _close(a, b, f"d {name}")
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_grouped_mm_saves_the_rows_and_hidden_projections_only(swiglu):
+    # what moe.costs charges the GPU's grouped path per row: its input row and the hidden
+    # projections (h1, h3), from which the backward recomputes the activation; autograd alone would
+    # also keep silu's output and the product (4F a row, not 2F). Exactly: the rows, the hidden
+    # projections and the int32 segment ends, weights aside
+    counts, D, F = [5, 0, 7, 4], 12, 8
+    x = torch.randn(sum(counts), D).requires_grad_(True)
+    weights = _weights(len(counts), D, F, swiglu)
+    skip = {w.untyped_storage().data_ptr() for w in weights if w is not None}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with rk.use_expert_backend("grouped_mm"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rk.expert_ffn(x, torch.tensor(counts), *weights)
+    S, hidden = sum(counts), (2 if swiglu else 1) * F
+    assert sum(seen.values()) == 4 * S * (D + hidden) + 4 * len(counts) + S  # and the kept-rows mask (bool)

@@ -410,3 +410,41 @@ def test_document_positions_restart():
     segment_BL, pos_BL = document_positions(docs)
     assert segment_BL.tolist() == seg and pos_BL.tolist() == pos
     assert pos_BL[2].tolist() == [0, 1, 0, 0, 1, 2, 0, 1, 2, 3, 0]
+
+
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+@pytest.mark.parametrize("shape", [(3, 5, 64), (2, 4, 7, 16)])
+def test_rmsnorm_is_autograd_over_its_operators_bit_for_bit_keeping_less(x_dtype, w_dtype, shape):
+    # the autograd.Function keeps the input and the fp32 reciprocal root only and recomputes the
+    # rest: forward and both gradients equal autograd over the same operators exactly (bf16
+    # weights under an fp32 gain included), and what it keeps is those two
+    from moe.attention import RMSNorm
+
+    def over_operators(x, w, eps):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1]).to(w_dtype)
+    with torch.no_grad():
+        norm.weight.mul_(torch.randn(shape[-1]).to(w_dtype) * 0.1 + 1)
+    x = torch.randn(shape).to(x_dtype).requires_grad_(True)
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != norm.weight.untyped_storage().data_ptr():
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = norm(x)
+    want = over_operators(x, norm.weight, norm.eps)
+    g = torch.randn(got.shape).to(got.dtype)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, (x, norm.weight), g), torch.autograd.grad(want, (x, norm.weight), g)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    rows = x.numel() // shape[-1]
+    assert sum(saved.values()) == x.numel() * x.element_size() + 4 * rows

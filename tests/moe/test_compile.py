@@ -85,11 +85,22 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a - b).abs().max() <= TOL * max(1.0, float(a.abs().max())))
 
 
-@pytest.mark.parametrize("kind", list(MOE))
-def test_no_graph_break_in_a_block(kind):
+GROUPED_MM = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+
+
+@pytest.mark.parametrize(
+    "kind, backend",
+    [(kind, "cpu_blocks") for kind in MOE]
+    # the GPU's path (torch runs _grouped_mm on the CPU too): its recomputing activation function
+    + [pytest.param("dropless", "grouped_mm", marks=GROUPED_MM)],
+)
+def test_no_graph_break_in_a_block(kind, backend):
     # the whole 2-block model (attention, router, statistics, losses, the expert op) is one graph
     model = _model(kind)
-    explained = torch._dynamo.explain(model)(_ids())
+    if backend == "grouped_mm":  # its fake (meta) kernel takes bf16 only, as on the GPU
+        model = model.to(torch.bfloat16)
+    with rk.use_expert_backend(backend):
+        explained = torch._dynamo.explain(model)(_ids())
     reasons = [b.reason for b in explained.break_reasons]
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
 
@@ -109,6 +120,8 @@ class _Tap(nn.Module):
         ("dropless", "cpu_blocks"),
         ("capacity", "cpu_blocks"),
         ("deepseek", "cpu_blocks"),
+        pytest.param("dropless", "grouped_mm", marks=GROUPED_MM),
+        pytest.param("expert_choice", "grouped_mm", marks=GROUPED_MM),  # GELU
         # the reference loop reads the counts on the host: a graph break
         # inside the layer, whose aux-loss gradient must survive it
         ("capacity", "loop"),
@@ -116,6 +129,8 @@ class _Tap(nn.Module):
 )
 def test_compiled_block_equals_eager(kind, backend):
     eager = _model(kind)
+    if backend == "grouped_mm":  # its fake (meta) kernel takes bf16 only, as on the GPU
+        eager = eager.to(torch.bfloat16)
     compiled = copy.deepcopy(eager)
     compiled.compile_blocks(backend="aot_eager")
     taps = []

@@ -544,7 +544,8 @@ def test_attention_takes_its_kernels_measured_rate_and_backward():
 def test_the_elementwise_bytes_take_the_elementwise_rate_and_fall_back_to_the_copys():
     """A block's non-matmul bytes run at the profile's ``elementwise_bandwidth`` where it has one
     (a CPU's operators run well under its copy bandwidth), else at ``memory_bandwidth``: by hand,
-    each pass's share (1, 1.6 and 0.7 of the forward's bytes) of the difference between the two."""
+    each pass's share (1, 1.6 and 0.7 of the forward's bytes; the input pass also the bytes its
+    kernels recompute) of the difference between the two."""
     from zero.plan.terms import _Costing
 
     costs = model_costs(model_config(cfg_of(*MODEL)), 8)
@@ -556,10 +557,12 @@ def test_the_elementwise_bytes_take_the_elementwise_rate_and_fall_back_to_the_co
     slow = _profile(elementwise_bandwidth=copy_rate.memory_bandwidth / 4)
     base = _Costing(r, costs, copy_rate, None)
     t_copy, t_same, t_slow = (_Costing(r, costs, p, None).compute(block) for p in (copy_rate, same, slow))
-    extra = base.tokens * block.elementwise_bytes * (4 - 1) / copy_rate.memory_bandwidth * base.contention
-    for k, share in zip("FIW", (1.0, 1.6, 0.7)):
+    assert block.recompute_bytes > 0  # the norms' and the experts' activation
+    per_byte = base.tokens * (4 - 1) / copy_rate.memory_bandwidth * base.contention
+    e, rc = block.elementwise_bytes, block.recompute_bytes
+    for k, extra in zip("FIW", (e, 1.6 * e + rc, 0.7 * e)):
         assert t_same[k] == pytest.approx(t_copy[k], rel=1e-12)
-        assert t_slow[k] - t_copy[k] == pytest.approx(share * extra, rel=1e-9), k
+        assert t_slow[k] - t_copy[k] == pytest.approx(extra * per_byte, rel=1e-9), k
     loaded = Profile.from_dict(slow.to_dict())
     assert loaded.elementwise_bandwidth == slow.elementwise_bandwidth
     assert Profile.from_dict(copy_rate.to_dict()) == copy_rate

@@ -35,6 +35,7 @@ class BlockCost:
     params_expert: int = 0
     matmuls: tuple[MatMul, ...] = ()
     elementwise_bytes: float = 0.0  # forward: bytes the non-matmul operators read and write
+    recompute_bytes: float = 0.0  # of those, what a kernel's backward runs again (on top of its own)
     ops: int = 0  # forward operators launched (the backward launches about twice as many)
     act_bytes: float = 0.0  # saved for backward
     act_bytes_checkpointed: float = 0.0  # saved under activation checkpointing (the block's input)

@@ -223,7 +223,7 @@ class _Costing:
         # the backward dispatches ~1.7x the forward's operators (counted: 1.5x for an MoE block,
         # 1.9x for a dense one) and moves ~2.3x its bytes, most of both for the input gradient
         f += elem + weights + b.ops * p.op_overhead_s
-        i += 1.6 * elem + weights + 1.2 * b.ops * p.op_overhead_s
+        i += 1.6 * elem + T * b.recompute_bytes / p.elementwise_rate + weights + 1.2 * b.ops * p.op_overhead_s
         w += 0.7 * elem + weights + 0.5 * b.ops * p.op_overhead_s
         k = self.contention
         return {"F": f * k, "I": i * k, "W": w * k}
