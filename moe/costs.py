@@ -118,7 +118,8 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
         # concatenated per head; v, a view of kv_b's output, keeps all of it alive; SDPA's output
         # and logsumexp; the output projection's input
         recompute += _norm_recompute(kvr, c)
-        saved += _norm_saved(kvr + rope, c) + c * kvr + c * 2 * H * J + c * H * (nope + O) + c * H * O + 4 * H + c * H * O
+        saved += _norm_saved(kvr + rope, c) + c * kvr
+        saved += c * 2 * H * J + c * H * (nope + O) + c * H * O + 4 * H + c * H * O
         wgrad += c * (D + kvr + H * O) + c * (kvr + rope + H * (nope + O) + D)
         transient = c * (2 * H * J + 2 * H * O)
         ops = _OPS["mla"] + (_OPS["mla_q_lora"] if qr is not None else 0)
