@@ -90,6 +90,9 @@ LAYOUTS = [
     (4, dict(zero_stage=2, grad_accum=2, checkpoint_activations=True)),
 ]
 QUICK = [0, 1, 4, 5, 8, 10, 12, 14]
+# --drift: one rank alone, then 2-rank data parallelism and a pipeline, at once after one calibration
+# (is a round's error the model's, or the machine's moving over the minutes a round takes?)
+DRIFT = [(1, dict()), LAYOUTS[0], LAYOUTS[8]]
 
 
 def _rank_fn(rank, world, overrides, run_dir):
@@ -204,7 +207,7 @@ def layout_row(rec: zplan.LayoutRecord, rs: list[dict]) -> dict:
     )
 
 
-def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False) -> dict:
+def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, layouts=None) -> dict:
     import os
 
     from experiments.plan import background_load, compose, costs_of
@@ -214,7 +217,7 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False) ->
     cfg = compose(BASE)
     costs = costs_of(cfg, shipped)
     tokens = int(cfg.train.batch_size) * int(cfg.train.seq_len)
-    chosen = [LAYOUTS[i] for i in QUICK] if quick else LAYOUTS
+    chosen = layouts or ([LAYOUTS[i] for i in QUICK] if quick else LAYOUTS)
     recs = []
     for world, fields in chosen:
         rec = zplan.LayoutRecord(world=world, batch_size=int(cfg.train.batch_size), **fields)
@@ -503,6 +506,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
     ap.add_argument("--quick", action="store_true", help=f"(a): {len(QUICK)} of the {len(LAYOUTS)} layouts")
     ap.add_argument(
+        "--drift",
+        action="store_true",
+        help="(a): one calibration, then at once one rank alone, pp1 dp2 and pp2 1f1b (one round)",
+    )
+    ap.add_argument(
         "--calibrate",
         action="store_true",
         help="(a): calibrate this machine before each round and predict the round on that profile",
@@ -517,7 +525,10 @@ def main(argv=None) -> int:
             "| predicted model states (MB) | measured (MB) | predicted peak (MB) | measured peak (MB) | peak error |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        results["a"] = part_a(a.steps, a.quick, a.rounds, a.calibrate)
+        if a.drift:
+            results["a"] = part_a(a.steps, False, 1, True, layouts=DRIFT)
+        else:
+            results["a"] = part_a(a.steps, a.quick, a.rounds, a.calibrate)
     if "b" in a.part:
         results["b"] = part_b(a.skew)
     if a.out:
