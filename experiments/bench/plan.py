@@ -526,7 +526,7 @@ def main(argv=None) -> int:
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         if a.drift:
-            results["a"] = part_a(a.steps, False, 1, True, layouts=DRIFT)
+            results["a"] = part_a(a.steps, quick=False, rounds=1, calibrate=True, layouts=DRIFT)
         else:
             results["a"] = part_a(a.steps, a.quick, a.rounds, a.calibrate)
     if "b" in a.part:
