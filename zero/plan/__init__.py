@@ -1,8 +1,8 @@
 """The layout planner: every layout of a model on a world size (``enumerate``), each one's peak
 memory per rank and step time on a machine profile (``predict``), without running the model.
 
-    from moe.costs import model_costs
     from zero import plan
+    # the caller builds the costs, e.g. with moe.costs.model_costs (zero itself never imports moe)
     costs = model_costs(transformer_cfg, seq_len=4096, act_dtype="bf16")
     profile = plan.load_profile("h100_node")
     for rec in plan.enumerate(costs, world=64, batch_size=256):
