@@ -68,36 +68,84 @@ def _dispatched(fn, traffic: bool = False):
     return (Count.n, Count.nbytes) if traffic else Count.n
 
 
-def measure_elementwise(device, sync, best: bool, op_overhead_s: float) -> float:
-    """Bytes/s of a block's non-matmul operators, counted as ``moe.costs`` counts them (each
-    operator's inputs read and its output written): an RMSNorm in fp32 with its gain, a rotary
-    pair of products and their concatenation, a SwiGLU activation, a residual addition, on one
-    micro-batch's rows at a model's widths (the CPU: fp32, 1,024 rows of 64 and 256, the tensors of
-    the models a CPU trains; a GPU: bf16, 16,384 rows of 1,024, 4,096 and 16,384). Their time less
-    their operators' fixed cost (``op_overhead_s``, which the planner counts apart). On a CPU these
-    run well under the large copy's bandwidth (one core's exp, square and reduction; measured here
-    19 GB/s at 64 KiB tensors, 9 at 1 MiB, 3 at 64 MiB, against a 30 GB/s copy), on a GPU near it."""
+# rows of the elementwise mixes' tensors: a CPU's rate falls as they outgrow its caches, so it is
+# measured across the micro-batches CPU models run; a GPU's holds at its bandwidth from a few MB on
+ELEMENTWISE_ROWS_CPU = (256, 1024, 4096, 16384)
+ELEMENTWISE_ROWS_GPU = (16384,)
+
+
+def _norm_rotary_residual(x, y, g, dtype):
+    # an RMSNorm in fp32 with its gain, a rotary pair of products and their concatenation, a residual addition
+    import torch
+
+    x32 = x.float()
+    h = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)).to(dtype) * g
+    return torch.cat([h * y, x * y], dim=-1), h + x
+
+
+def _swiglu_passes(h1, h3, g, dtype):
+    # the FFN activation's forward (silu(h1) * h3) and backward as the kernels run it: the
+    # activation recomputed, the product's two gradients, silu's gradient (aten's fused backward)
     import torch
     import torch.nn.functional as nnf
 
+    s = nnf.silu(h1)
+    act = s * h3
+    return act, torch.ops.aten.silu_backward(g * h3, h1), g * s
+
+
+def measure_elementwise(device, sync, best: bool, op_overhead_s: float, quick: bool = False) -> dict:
+    """``{"elementwise_bandwidth": [[rows, bytes/s], ...], "activation_bandwidth": [...]}``: the
+    rates of a block's non-matmul operators, counted as ``moe.costs`` counts them (each operator's
+    inputs read and its output written), less their fixed cost (``op_overhead_s``, which the planner
+    counts apart), on tensors of ``rows`` rows at a model's widths (the CPU: fp32, 64 and 256 wide,
+    the models a CPU trains, at 256 to 16,384 rows; a GPU: bf16, 16,384 rows of 1,024, 4,096 and
+    16,384). Two mixes: an RMSNorm with its gain, a rotary pair of products and their
+    concatenation, a residual addition (the elementwise rate); and the SwiGLU activation's forward
+    and backward (the activation rate: a CPU computes silu's exponential at a fixed ~2.7 G values/s
+    a core, well under its other operators' rate, while a GPU runs both near its bandwidth). On a
+    CPU each call takes the next of enough operand sets to overflow its caches (64 MiB), as a
+    training step's layers find theirs evicted by the layers between, and the rate falls with the
+    rows as the intermediates outgrow the caches too (one core of a 2-core machine: the first mix
+    at 39 GB/s at 256 rows, 23 at 4,096, 9 at 16,384, against a 17 GB/s copy of 128 MiB)."""
+    import torch
+
     cuda = str(device).startswith("cuda")
-    rows, widths, dtype = (16384, (1024, 4096, 16384), torch.bfloat16) if cuda else (1024, (64, 256), torch.float32)
-    nbytes = seconds = 0.0
-    for w in widths:
-        x, y = (torch.randn(rows, w, device=device, dtype=dtype) for _ in range(2))
-        g = torch.randn(w, device=device, dtype=dtype)
+    if cuda:
+        all_rows, widths, dtype = ELEMENTWISE_ROWS_GPU, (1024, 4096, 16384), torch.bfloat16
+    else:
+        all_rows, widths, dtype = ELEMENTWISE_ROWS_CPU, (64, 256), torch.float32
+    if quick:
+        all_rows = all_rows[::2]
+    out = {"elementwise_bandwidth": [], "activation_bandwidth": []}
+    for key, mix in (("elementwise_bandwidth", _norm_rotary_residual), ("activation_bandwidth", _swiglu_passes)):
+        for rows in all_rows:
+            nbytes = seconds = 0.0
+            for w in widths:
+                per_set = 2 * rows * w * dtype.itemsize
+                sets = 1 if cuda else max(1, min(64, (64 << 20) // per_set))
+                # the norm's gain is one row; the activation's third operand its output's gradient
+                third = (w,) if mix is _norm_rotary_residual else (rows, w)
+                operands = [
+                    (
+                        torch.randn(rows, w, device=device, dtype=dtype),
+                        torch.randn(rows, w, device=device, dtype=dtype),
+                        torch.randn(*third, device=device, dtype=dtype),
+                    )
+                    for _ in range(sets)
+                ]
+                turn = itertools.cycle(operands)
 
-        def mix():
-            x32 = x.float()
-            h = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)).to(dtype) * g
-            r = torch.cat([h * y, x * y], dim=-1)
-            return r, nnf.silu(h) * y + x
+                def call(mix=mix, turn=turn):
+                    return mix(*next(turn), dtype)
 
-        ops, b = _dispatched(mix, traffic=True)
-        t = _time(mix, 10, sync, best=best)
-        nbytes += b
-        seconds += max(t - ops * op_overhead_s, 0.1 * t)
-    return nbytes / seconds
+                ops, b = _dispatched(call, traffic=True)
+                reps = max(3, min(20, int(2e8 / (rows * w * 64))))
+                t = _time(call, reps, sync, best=best)
+                nbytes += b
+                seconds += max(t - ops * op_overhead_s, 0.1 * t)
+            out[key].append([float(rows), nbytes / seconds])
+    return out
 
 
 _BUSY = (
@@ -172,7 +220,7 @@ def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
         y.sum().backward()
 
     out["op_overhead_s"] = _time(chain, 10, sync, best=best) / _dispatched(chain)
-    out["elementwise_bandwidth"] = measure_elementwise(device, sync, best, out["op_overhead_s"])
+    out.update(measure_elementwise(device, sync, best, out["op_overhead_s"], quick))
     if cuda:
         host = torch.empty(1 << 26, pin_memory=True)
         dev = torch.empty(1 << 26, device=device)
@@ -228,7 +276,14 @@ def measure_attention(device, dtype, quick: bool = False, sync=lambda: None, bes
 
 
 # the device's scalar rates measure_device returns (a profile's fields of the same names)
-_RATES = ("memory_bandwidth", "elementwise_bandwidth", "op_overhead_s", "host_link_bandwidth", "host_adam_params_per_s")
+_RATES = (
+    "memory_bandwidth",
+    "elementwise_bandwidth",
+    "activation_bandwidth",
+    "op_overhead_s",
+    "host_link_bandwidth",
+    "host_adam_params_per_s",
+)
 
 
 def _busy_worker(rank: int, quick: bool, barrier, q) -> None:
@@ -266,7 +321,10 @@ def measure_cpu_busy(cores: int, quick: bool = False) -> dict:
             for i, row in enumerate(rows)
         ]
     for key in _RATES:
-        out[key] = sum(r[key] for r in runs) / len(runs)
+        if isinstance(runs[0][key], list):  # a table [[x, rate], ...]: the rates' mean per row
+            out[key] = [[row[0], sum(r[key][i][1] for r in runs) / len(runs)] for i, row in enumerate(runs[0][key])]
+        else:
+            out[key] = sum(r[key] for r in runs) / len(runs)
     return out
 
 

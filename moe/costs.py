@@ -40,6 +40,23 @@ _OPS = dict(norm=5, attn=41, mla=81, mla_q_lora=10, qk_norm=6, swiglu=11, gelu=7
 _ROUTING_BYTES = dict(softmax=(442, 65), sigmoid=(490, 109))
 _CAPACITY_SLOT_BYTES = 316
 
+# the backward's non-matmul bytes over the forward's, by what the forward ran (counted with a
+# TorchDispatchMode over each block's backward, SDPA's own backward left out as attention's
+# product: tests/moe/test_costs.py holds every test config within 8%): the routed experts'
+# activation (the CPU kernel's backward recomputes silu(h1) * h3, then the product's two gradients
+# and silu's in scratch blocks: 4.4x its forward's 5 c F a row), an autograd SwiGLU/GELU (a dense
+# FFN or the shared experts: silu's output and the product kept, 3.5x), and everything else (the
+# norms with their recompute, the rotary, the router, the routed rows' moves, the residuals: 2.1x).
+# The GPU's grouped path runs the same activation backward (it recomputes too)
+_BACKWARD_PER_FORWARD = dict(routed=4.4, ffn=3.5, rest=2.1)
+
+
+def _backward_traffic(forward: float, routed: float, ffn: float) -> float:
+    """The backward's non-matmul bytes of a layer whose forward moves ``forward`` bytes, of which
+    ``routed`` are the routed experts' activation and ``ffn`` an autograd FFN's."""
+    k = _BACKWARD_PER_FORWARD
+    return k["routed"] * routed + k["ffn"] * ffn + k["rest"] * (forward - routed - ffn)
+
 
 def _cast(width: float, c: int) -> float:
     """An upcast to fp32 and back (read c, write 4; read 4, write c per element); none in fp32."""
@@ -59,7 +76,9 @@ def _rotary_traffic(width: float, c: int) -> float:
 
 
 def _act_traffic(f: float, activation: str, c: int) -> float:
-    # silu (read, write) and the product with the up projection (two reads, a write); gelu (read, write)
+    # silu (read, write) and the product with the up projection (two reads, a write); gelu (read,
+    # write). The activation's bytes are a class of their own (BlockCost.activation_bytes): a CPU
+    # computes silu's exp (gelu's erf) at a rate well under its other operators'
     return (5 if activation == "swiglu" else 2) * c * f
 
 
@@ -237,6 +256,7 @@ def model_costs(
         traffic = 2 * _norm_traffic(D, c) + attn_traffic + 2 * 3 * c * D  # and the two residual additions
         moe_fields = {}
         recompute = 2 * _norm_recompute(D, c) + attn_recompute
+        routed_act = ffn_act = 0.0  # of traffic: the routed experts' activation, an autograd FFN's
         if cfg.is_moe_block(i):
             m = cfg.moe
             E, K = m.num_experts, m.top_k
@@ -266,13 +286,14 @@ def model_costs(
             per_slot += _CAPACITY_SLOT_BYTES if m.capacity_factor is not None else 0
             traffic += (0.0 if c == 4 else (c + 4) * D) + per_slot * K + per_expert * E
             moves = 5 * K * c * D + c * D if experts == "grouped" else 6 * K * c * D
-            traffic += K * _act_traffic(m.d_ff, m.activation, c) + moves
+            routed_act = K * _act_traffic(m.d_ff, m.activation, c)
+            traffic += routed_act + moves
+            # both kernels' backward recomputes the activation and the product from the hidden projections
+            recompute += routed_act
             # the fused kernel's backward works in its pool's buffers, or heap ones of the same
             # shapes (``_fused_pool``; zero.plan's kernel_buffers and workspace), not in [rows, F] temporaries
             if experts == "grouped":
                 transient = max(transient, e_transient + 2 * c * D * K)
-                # its backward recomputes the activation and the product from the hidden projections
-                recompute += K * _act_traffic(m.d_ff, m.activation, c)
             if m.num_shared_experts:
                 s_mms, s_params, s_saved, s_wgrad, s_transient = _ffn(
                     D, m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c
@@ -283,7 +304,8 @@ def model_costs(
                 wgrad += s_wgrad
                 transient = max(transient, s_transient)
                 ops += _OPS[m.activation]
-                traffic += _act_traffic(m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c) + 3 * c * D
+                ffn_act = _act_traffic(m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c)
+                traffic += ffn_act + 3 * c * D
             if m.shared_expert_gate:
                 mms.append(MatMul(k=D, n=1))
                 params_dense += D
@@ -311,7 +333,8 @@ def model_costs(
             wgrad += f_wgrad
             transient = max(transient, f_transient)
             ops += _OPS["swiglu"]
-            traffic += _act_traffic(cfg.d_ff, "swiglu", c)
+            ffn_act = _act_traffic(cfg.d_ff, "swiglu", c)
+            traffic += ffn_act
         blocks.append(
             BlockCost(
                 name=f"block{i}" + (" (moe)" if moe_fields else ""),
@@ -319,6 +342,10 @@ def model_costs(
                 params_expert=params_expert,
                 matmuls=tuple(mms),
                 elementwise_bytes=traffic,
+                activation_bytes=routed_act + ffn_act,
+                backward_bytes=_backward_traffic(traffic, routed_act, ffn_act),
+                backward_activation_bytes=_BACKWARD_PER_FORWARD["routed"] * routed_act
+                + _BACKWARD_PER_FORWARD["ffn"] * ffn_act,
                 recompute_bytes=recompute,
                 ops=ops,
                 act_bytes=saved,

@@ -106,6 +106,9 @@ def test_calibrate_writes_a_profile_that_loads(tmp_path):
     p = zplan.load_profile(out)
     assert p.name == "here" and p.memory_bandwidth > 0 and p.op_overhead_s > 0
     assert all(len(row) == 4 and row[-1] > 0 for rows in p.matmul_flops.values() for row in rows)
+    # the two non-matmul rates by rows (--quick: 256 and 4,096), each row positive
+    for table in (p.elementwise_bandwidth, p.activation_bandwidth):
+        assert [row[0] for row in table] == [256.0, 4096.0] and all(row[1] > 0 for row in table)
     assert p.collectives == zplan.load_profile("cpu_2core").collectives  # from --base: not measured here
 
 

@@ -544,28 +544,60 @@ def test_attention_takes_its_kernels_measured_rate_and_backward():
 def test_the_elementwise_bytes_take_the_elementwise_rate_and_fall_back_to_the_copys():
     """A block's non-matmul bytes run at the profile's ``elementwise_bandwidth`` where it has one
     (a CPU's operators run well under its copy bandwidth), else at ``memory_bandwidth``: by hand,
-    each pass's share (1, 1.6 and 0.7 of the forward's bytes; the input pass also the bytes its
-    kernels recompute) of the difference between the two."""
+    each pass's share of the difference between the two: the forward's bytes; of the backward's,
+    the recomputation and 1.6/2.3 of the rest for the input pass, 0.7/2.3 for the weight pass."""
     from zero.plan.terms import _Costing
 
     costs = model_costs(model_config(cfg_of(*MODEL)), 8)
     block = next(b for b in costs.blocks if b.is_moe)
     r = zplan.LayoutRecord(world=1, batch_size=4)
     copy_rate = _profile()
-    assert copy_rate.elementwise_rate == copy_rate.memory_bandwidth
+    assert copy_rate.elementwise_rate(1e3) == copy_rate.memory_bandwidth
     same = _profile(elementwise_bandwidth=copy_rate.memory_bandwidth)
     slow = _profile(elementwise_bandwidth=copy_rate.memory_bandwidth / 4)
     base = _Costing(r, costs, copy_rate, None)
     t_copy, t_same, t_slow = (_Costing(r, costs, p, None).compute(block) for p in (copy_rate, same, slow))
     assert block.recompute_bytes > 0  # the norms' and the experts' activation
+    assert block.backward_bytes > 2.3 * block.elementwise_bytes  # the experts' activation: 4.4x its forward
     per_byte = base.tokens * (4 - 1) / copy_rate.memory_bandwidth * base.contention
-    e, rc = block.elementwise_bytes, block.recompute_bytes
-    for k, extra in zip("FIW", (e, 1.6 * e + rc, 0.7 * e)):
+    e, rc, own = block.elementwise_bytes, block.recompute_bytes, block.backward_bytes - block.recompute_bytes
+    for k, extra in zip("FIW", (e, own * 1.6 / 2.3 + rc, own * 0.7 / 2.3)):
         assert t_same[k] == pytest.approx(t_copy[k], rel=1e-12)
         assert t_slow[k] - t_copy[k] == pytest.approx(extra * per_byte, rel=1e-9), k
+    # a block that gives no backward bytes (one made by hand) takes the average: 2.3x its forward's
+    plain = dataclasses.replace(block, backward_bytes=None)
+    t_plain = _Costing(r, costs, slow, None).compute(plain)
+    t_plain_copy = _Costing(r, costs, copy_rate, None).compute(plain)
+    assert t_plain["W"] - t_plain_copy["W"] == pytest.approx(0.7 * e * per_byte, rel=1e-9)
     loaded = Profile.from_dict(slow.to_dict())
     assert loaded.elementwise_bandwidth == slow.elementwise_bandwidth
     assert Profile.from_dict(copy_rate.to_dict()) == copy_rate
+
+
+def test_an_elementwise_rate_by_rows_is_interpolated_in_log_space_and_round_trips(tmp_path):
+    """A table ``[[rows, bytes/s], ...]`` (a CPU's rate falls as its tensors outgrow the caches):
+    its own rows give their rates, rows between take the line between in log rows and log rate,
+    rows beyond its ends the end's rate; a block's bytes take the rate at its micro-batch's tokens;
+    the table survives a yaml round trip; a bad row is refused naming it."""
+    from zero.plan.terms import _Costing
+
+    p = _profile(elementwise_bandwidth=[[4096.0, 1e9], [256.0, 4e9]])  # unsorted on purpose
+    assert p.elementwise_rate(256) == pytest.approx(4e9)
+    assert p.elementwise_rate(4096) == pytest.approx(1e9)
+    assert p.elementwise_rate(1024) == pytest.approx(2e9)  # halfway in log rows: the geometric mean
+    assert p.elementwise_rate(16) == pytest.approx(4e9) and p.elementwise_rate(1e6) == pytest.approx(1e9)
+    costs = model_costs(model_config(cfg_of(*MODEL)), 8)
+    block = next(b for b in costs.blocks if b.is_moe)
+    for rows_per_rank in (32, 512):  # 4 and 64 sequences of 8 tokens
+        r = zplan.LayoutRecord(world=1, batch_size=rows_per_rank // 8)
+        flat = _profile(elementwise_bandwidth=p.elementwise_rate(rows_per_rank))
+        at_table, at_flat = (_Costing(r, costs, q, None).compute(block) for q in (p, flat))
+        assert at_table == pytest.approx(at_flat, rel=1e-12)
+    path = zplan.save_profile(p, tmp_path / "table.yaml")
+    assert zplan.load_profile(path).elementwise_bandwidth == p.elementwise_bandwidth
+    assert zplan.load_profile(path).elementwise_rate(1024) == pytest.approx(2e9)
+    with pytest.raises(ValueError, match=r"elementwise_bandwidth=\[\[256.0, -1.0\]\]"):
+        _profile(elementwise_bandwidth=[[256.0, -1.0]])
 
 
 def test_each_pass_of_a_product_takes_the_rate_of_its_own_shape():

@@ -103,9 +103,15 @@ class Profile:
     compute_slots: int | None = None
     op_overhead_s: float = 0.0  # fixed cost of one dispatched operator (launch, dispatch, autograd bookkeeping)
     # bytes/s of a block's non-matmul operators (each one's inputs read, its output written) beyond
-    # their fixed cost; None: memory_bandwidth (a GPU's elementwise kernels run near it, a CPU's
-    # well under it: experiments.calibrate.measure_elementwise)
-    elementwise_bandwidth: float | None = None
+    # their fixed cost: one rate, or [[rows, bytes_s], ...] by the rows of the tensors (a
+    # micro-batch's tokens; a CPU's rate falls as they outgrow its caches: 42 GB/s at 256 rows of
+    # 64 and 256, 18 at 16,384, experiments.calibrate.measure_elementwise); None: memory_bandwidth
+    # (a GPU's elementwise kernels run near it)
+    elementwise_bandwidth: float | list[list[float]] | None = None
+    # the same of the FFN activation (silu or gelu, the gate's product, their backward): a CPU
+    # computes silu's exponential at ~2.7 G values/s on one core whatever their size, a third of
+    # what its other operators run at from cache; None: the elementwise rate
+    activation_bandwidth: float | list[list[float]] | None = None
     # other work that shares the node's compute slots, in busy processes (0 on dedicated GPUs; on a
     # shared host measured from the share s of a core one busy process gets: slots / s - 1)
     background_load: float = 0.0
@@ -161,6 +167,8 @@ class Profile:
         object.__setattr__(self, "_attn", attn)
         if not self.background_load >= 0:
             raise ValueError(f"profile {self.name}: background_load={self.background_load!r} must be >= 0")
+        for key in ("elementwise_bandwidth", "activation_bandwidth"):
+            object.__setattr__(self, "_" + key, _rate_table(self.name, key, getattr(self, key)))
 
     def matmul_rate(self, dtype: str, m: float, k: float, n: float) -> float:
         """FLOP/s of an [m, k] @ [k, n] product: the measured shapes' rates, interpolated in log
@@ -183,10 +191,16 @@ class Profile:
     def link(self, tier: str, op: str) -> AlphaBeta:
         return self.collectives[tier][op]
 
-    @property
-    def elementwise_rate(self) -> float:
-        """Bytes/s of the non-matmul operators (``elementwise_bandwidth``, else ``memory_bandwidth``)."""
-        return self.memory_bandwidth if self.elementwise_bandwidth is None else self.elementwise_bandwidth
+    def elementwise_rate(self, rows: float) -> float:
+        """Bytes/s of the non-matmul operators on tensors of ``rows`` rows: ``elementwise_bandwidth``
+        (a table's rates interpolated linearly in log rows and log rate, its ends held beyond
+        them), else ``memory_bandwidth``."""
+        return _rate_at(self._elementwise_bandwidth, rows, self.memory_bandwidth)
+
+    def activation_rate(self, rows: float) -> float:
+        """Bytes/s of the FFN activation's operators on tensors of ``rows`` rows
+        (``activation_bandwidth`` as ``elementwise_rate`` reads its table), else the elementwise rate."""
+        return _rate_at(self._activation_bandwidth, rows, self.elementwise_rate(rows))
 
     @property
     def slots(self) -> int:
@@ -222,11 +236,48 @@ class Profile:
         for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s", "background_load"):
             if key in d:
                 d[key] = float(d[key])
-        if d.get("elementwise_bandwidth") is not None:
-            d["elementwise_bandwidth"] = float(d["elementwise_bandwidth"])
+        for key in ("elementwise_bandwidth", "activation_bandwidth"):
+            ew = d.get(key)
+            if isinstance(ew, (list, tuple)):
+                d[key] = [[float(x) for x in row] for row in ew]
+            elif ew is not None:
+                d[key] = float(ew)
         for key in ("matmul_flops", "attention_flops"):
             d[key] = {k: [[float(x) for x in row] for row in v] for k, v in (d.get(key) or {}).items()}
         return cls(**d)
+
+
+def _rate_table(name: str, key: str, value):
+    """A rate field as ``_rate_at`` reads it: None, one rate, or ``[(log rows, log rate), ...]``
+    sorted by rows; raises naming the field when it is neither."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        if not value or any(len(r) != 2 or not (r[0] >= 1 and r[1] > 0) for r in value):
+            raise ValueError(
+                f"profile {name}: {key}={value!r} is invalid: expected one rate in bytes/s or a non-empty list "
+                "of [rows >= 1, bytes_s > 0]"
+            )
+        return sorted((math.log(r[0]), math.log(r[1])) for r in value)
+    if not value > 0:
+        raise ValueError(f"profile {name}: {key}={value!r} must be > 0 bytes/s")
+    return float(value)
+
+
+def _rate_at(table, rows: float, default: float) -> float:
+    """The rate of ``table`` (``_rate_table``'s) at ``rows``: linear in log rows and log rate
+    between its points, its ends beyond them; ``default`` without one."""
+    if table is None:
+        return default
+    if not isinstance(table, list):
+        return table
+    x = math.log(max(rows, 1.0))
+    if x <= table[0][0]:
+        return math.exp(table[0][1])
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1)
+    return math.exp(table[-1][1])
 
 
 def _interpolate(pts, at) -> tuple:

@@ -35,7 +35,14 @@ class BlockCost:
     params_expert: int = 0
     matmuls: tuple[MatMul, ...] = ()
     elementwise_bytes: float = 0.0  # forward: bytes the non-matmul operators read and write
-    recompute_bytes: float = 0.0  # of those, what a kernel's backward runs again (on top of its own)
+    # of those, the FFN activation's (silu or gelu and the gate's product: the profile's
+    # activation_bandwidth, a CPU's transcendental rate)
+    activation_bytes: float = 0.0
+    # backward: the same of its operators, recomputation included; None: the average, 2.3x the
+    # forward's plus recompute_bytes
+    backward_bytes: float | None = None
+    backward_activation_bytes: float = 0.0  # of backward_bytes, the activation's backward (and recompute)
+    recompute_bytes: float = 0.0  # of the backward's, what a kernel runs again of its forward (input pass)
     ops: int = 0  # forward operators launched (the backward launches about twice as many)
     act_bytes: float = 0.0  # saved for backward
     act_bytes_checkpointed: float = 0.0  # saved under activation checkpointing (the block's input)

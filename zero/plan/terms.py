@@ -219,12 +219,24 @@ class _Costing:
             w += max(flops / p.matmul_rate(self.dtype, mm.k, rows, mm.n), floor)
         held = b.params_dense + b.params_expert / rec.ep
         weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
-        elem = T * b.elementwise_bytes / p.elementwise_rate
+        # the non-matmul operators at the rates of tensors of this micro-batch's rows: the FFN
+        # activation's at its own, the rest at the elementwise rate
+        rate, act_rate = p.elementwise_rate(T), p.activation_rate(T)
+        if b.backward_bytes is None:
+            back, back_act = 2.3 * b.elementwise_bytes + b.recompute_bytes, 2.3 * b.activation_bytes
+        else:
+            back, back_act = b.backward_bytes, b.backward_activation_bytes
+        fwd_s = T * ((b.elementwise_bytes - b.activation_bytes) / rate + b.activation_bytes / act_rate)
+        back_s = T * ((back - back_act) / rate + back_act / act_rate)
         # the backward dispatches ~1.7x the forward's operators (counted: 1.5x for an MoE block,
-        # 1.9x for a dense one) and moves ~2.3x its bytes, most of both for the input gradient
-        f += elem + weights + b.ops * p.op_overhead_s
-        i += 1.6 * elem + T * b.recompute_bytes / p.elementwise_rate + weights + 1.2 * b.ops * p.op_overhead_s
-        w += 0.7 * elem + weights + 0.5 * b.ops * p.op_overhead_s
+        # 1.9x for a dense one); of its bytes, the recomputation is the input gradient's and the
+        # rest splits as 1.6 : 0.7 between the input and the weight gradients (each byte at the
+        # backward's mean rate)
+        own = max(back - b.recompute_bytes, 0.0)
+        i_share = (own * 1.6 / 2.3 + b.recompute_bytes) / back if back > 0 else 0.0
+        f += fwd_s + weights + b.ops * p.op_overhead_s
+        i += i_share * back_s + weights + 1.2 * b.ops * p.op_overhead_s
+        w += (1.0 - i_share) * back_s + weights + 0.5 * b.ops * p.op_overhead_s
         k = self.contention
         return {"F": f * k, "I": i * k, "W": w * k}
 
