@@ -28,7 +28,7 @@ _BYTES = {"fp32": 4, "bf16": 2}
 # it): an RMSNorm, attention (its projections, rotary halves, SDPA), MLA (q by rank or not), a q/k
 # norm, a SwiGLU or GELU FFN, the MoE layer's router, statistics and aux losses and routed experts,
 # the shared experts' gate, the head with its loss, the block's two residual additions
-_OPS = dict(norm=5, attn=41, mla=81, mla_q_lora=10, qk_norm=6, swiglu=11, gelu=7, moe=253, gate=5, head=15, residual=2)
+_OPS = dict(norm=5, attn=43, mla=83, mla_q_lora=10, qk_norm=6, swiglu=11, gelu=7, moe=253, gate=5, head=15, residual=2)
 
 
 # bytes the forward's non-matmul operators read and write per token, counted operator by operator
@@ -69,10 +69,17 @@ def _norm_traffic(width: float, c: int) -> float:
     return _cast(width, c) + 20 * width + 24 + 2 * c * width
 
 
+def _rotary_copy(width: float, c: int) -> float:
+    # of _rotary_traffic, the fp32 copy of the head-split view, which has no backward (in bf16 the
+    # upcast is that copy, and its backward casts the gradient)
+    return 8 * width if c == 4 else 0.0
+
+
 def _rotary_traffic(width: float, c: int) -> float:
-    # moe.rope.apply_rotary on ``width`` rotated values, in fp32: two products (16), the halves'
-    # difference and sum (6 + 6), their concatenation (8), and the casts
-    return 36 * width + _cast(width, c)
+    # moe.rope.apply_rotary on ``width`` rotated values, in fp32: the contiguous fp32 copy of the
+    # head-split view (read c, write 4), two products (16), the halves' difference and sum (6 + 6),
+    # their concatenation (8), the cast back (read 4, write c; none in fp32)
+    return 36 * width + (c + 4) * width + (0.0 if c == 4 else (4 + c) * width)
 
 
 def _act_traffic(f: float, activation: str, c: int) -> float:
@@ -146,7 +153,8 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
         # concatenations, the heads merged (a copy)
         traffic = (_norm_traffic(qr, c) if qr is not None else 0.0) + _norm_traffic(kvr, c)
         traffic += _rotary_traffic(H * rope, c) + _rotary_traffic(rope, c) + 2 * 2 * c * H * J + 2 * c * H * O
-        return tuple(mms) + scores, params, saved, wgrad, transient, ops, traffic, recompute
+        copies = _rotary_copy(H * rope, c) + _rotary_copy(rope, c)
+        return tuple(mms) + scores, params, saved, wgrad, transient, ops, traffic, recompute, copies
     Z = cfg.kv_heads
     params = D * (H + 2 * Z) * J + H * J * D
     if cfg.qkv_bias:
@@ -173,7 +181,7 @@ def _attention(cfg: TransformerConfig, c: int, L: int):
         traffic += (H + Z) * _norm_traffic(J, c)
     elif cfg.qk_norm == "proj":
         traffic += _norm_traffic(H * J, c) + _norm_traffic(Z * J, c)
-    return mms, params, saved, wgrad, transient, ops, traffic, recompute
+    return mms, params, saved, wgrad, transient, ops, traffic, recompute, _rotary_copy((H + Z) * J, c)
 
 
 EXPERT_KERNELS = ("grouped", "fused")
@@ -240,9 +248,17 @@ def model_costs(
             boundary_bytes=c * D,
         )
     ]
-    attn_mms, attn_params, attn_saved, attn_wgrad, attn_transient, attn_ops, attn_traffic, attn_recompute = _attention(
-        cfg, c, L
-    )
+    (
+        attn_mms,
+        attn_params,
+        attn_saved,
+        attn_wgrad,
+        attn_transient,
+        attn_ops,
+        attn_traffic,
+        attn_recompute,
+        attn_copies,
+    ) = _attention(cfg, c, L)
     for i in range(cfg.n_layers):
         # two RMSNorms, each followed by a projection that saves its output
         norms = 2 * _norm_saved(D, c) + 2 * c * D
@@ -343,7 +359,7 @@ def model_costs(
                 matmuls=tuple(mms),
                 elementwise_bytes=traffic,
                 activation_bytes=routed_act + ffn_act,
-                backward_bytes=_backward_traffic(traffic, routed_act, ffn_act),
+                backward_bytes=_backward_traffic(traffic - attn_copies, routed_act, ffn_act),
                 backward_activation_bytes=_BACKWARD_PER_FORWARD["routed"] * routed_act
                 + _BACKWARD_PER_FORWARD["ffn"] * ffn_act,
                 recompute_bytes=recompute,

@@ -104,7 +104,7 @@ def test_calibrate_writes_a_profile_that_loads(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     p = zplan.load_profile(out)
-    assert p.name == "here" and p.memory_bandwidth > 0 and p.op_overhead_s > 0
+    assert p.name == "here" and p.memory_bandwidth > 0 and p.op_overhead_s > 0 and p.backward_op_overhead_s > 0
     assert all(len(row) == 4 and row[-1] > 0 for rows in p.matmul_flops.values() for row in rows)
     # the two non-matmul rates by rows (--quick: 256 and 4,096), each row positive
     for table in (p.elementwise_bandwidth, p.activation_bandwidth):

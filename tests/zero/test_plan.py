@@ -574,6 +574,57 @@ def test_the_elementwise_bytes_take_the_elementwise_rate_and_fall_back_to_the_co
     assert Profile.from_dict(copy_rate.to_dict()) == copy_rate
 
 
+def test_the_activations_bytes_take_the_activation_rate():
+    """The FFN activation's bytes (forward ``activation_bytes``, backward
+    ``backward_activation_bytes``) run at ``activation_bandwidth``, the rest at the elementwise
+    rate; unset, the activation takes the elementwise rate. By hand: slowing the activation's rate
+    adds its bytes' time only, the backward's split 1.6 : 0.7 (the recomputation the input pass's)
+    in proportion to the backward's bytes."""
+    from zero.plan.terms import _Costing
+
+    costs = model_costs(model_config(cfg_of(*MODEL)), 8)
+    block = next(b for b in costs.blocks if b.is_moe)
+    assert 0 < block.activation_bytes < block.elementwise_bytes
+    assert 0 < block.backward_activation_bytes < block.backward_bytes
+    r = zplan.LayoutRecord(world=1, batch_size=4)
+    rate = 1e10
+    flat = _profile(elementwise_bandwidth=rate)
+    assert flat.activation_rate(32) == rate
+    slow = _profile(elementwise_bandwidth=rate, activation_bandwidth=rate / 3)
+    base, t_flat, t_slow = (
+        _Costing(r, costs, flat, None),
+        *(_Costing(r, costs, p, None).compute(block) for p in (flat, slow)),
+    )
+    per_byte = base.tokens * (3 - 1) / rate * base.contention
+    back, rc = block.backward_bytes, block.recompute_bytes
+    i_share = ((back - rc) * 1.6 / 2.3 + rc) / back
+    assert t_slow["F"] - t_flat["F"] == pytest.approx(block.activation_bytes * per_byte)
+    assert t_slow["I"] - t_flat["I"] == pytest.approx(i_share * block.backward_activation_bytes * per_byte)
+    assert t_slow["W"] - t_flat["W"] == pytest.approx((1 - i_share) * block.backward_activation_bytes * per_byte)
+    assert Profile.from_dict(slow.to_dict()) == slow
+
+
+def test_the_backward_takes_its_own_operator_cost():
+    """A forward operator costs ``op_overhead_s``, a backward one ``backward_op_overhead_s`` (1.2 and
+    0.5 of the forward's count for the input and weight passes); unset, the backward takes the
+    forward's; the field round-trips."""
+    from zero.plan.terms import _Costing
+
+    costs = model_costs(model_config(cfg_of(*MODEL)), 8)
+    block = next(b for b in costs.blocks if b.is_moe)
+    r = zplan.LayoutRecord(world=1, batch_size=4)
+    none = _profile(op_overhead_s=0.0)
+    same = _profile(op_overhead_s=1e-5)
+    split = _profile(op_overhead_s=1e-5, backward_op_overhead_s=4e-6)
+    t0, t1, t2 = (_Costing(r, costs, p, None).compute(block) for p in (none, same, split))
+    k = _Costing(r, costs, none, None).contention
+    assert t1["F"] - t0["F"] == pytest.approx(block.ops * 1e-5 * k) == pytest.approx(t2["F"] - t0["F"])
+    for pas, share in (("I", 1.2), ("W", 0.5)):
+        assert t1[pas] - t0[pas] == pytest.approx(share * block.ops * 1e-5 * k)
+        assert t2[pas] - t0[pas] == pytest.approx(share * block.ops * 4e-6 * k)
+    assert Profile.from_dict(split.to_dict()) == split and split.to_dict()["backward_op_overhead_s"] == 4e-6
+
+
 def test_an_elementwise_rate_by_rows_is_interpolated_in_log_space_and_round_trips(tmp_path):
     """A table ``[[rows, bytes/s], ...]`` (a CPU's rate falls as its tensors outgrow the caches):
     its own rows give their rates, rows between take the line between in log rows and log rate,

@@ -102,6 +102,9 @@ class Profile:
     # devices of a node that compute at the same time (a CPU's cores: more ranks than cores share them)
     compute_slots: int | None = None
     op_overhead_s: float = 0.0  # fixed cost of one dispatched operator (launch, dispatch, autograd bookkeeping)
+    # the same in the backward, per forward operator over the backward's ~1.7 for each (a forward's
+    # operators also run the modules' Python and record the graph); None: op_overhead_s
+    backward_op_overhead_s: float | None = None
     # bytes/s of a block's non-matmul operators (each one's inputs read, its output written) beyond
     # their fixed cost: one rate, or [[rows, bytes_s], ...] by the rows of the tensors (a
     # micro-batch's tokens; a CPU's rate falls as they outgrow its caches: 42 GB/s at 256 rows of
@@ -203,6 +206,11 @@ class Profile:
         return _rate_at(self._activation_bandwidth, rows, self.elementwise_rate(rows))
 
     @property
+    def backward_op_s(self) -> float:
+        """A backward operator's fixed cost (``backward_op_overhead_s``, else ``op_overhead_s``)."""
+        return self.op_overhead_s if self.backward_op_overhead_s is None else self.backward_op_overhead_s
+
+    @property
     def slots(self) -> int:
         return self.node_size if self.compute_slots is None else self.compute_slots
 
@@ -236,6 +244,8 @@ class Profile:
         for key in ("device_memory_bytes", "memory_bandwidth", "op_overhead_s", "background_load"):
             if key in d:
                 d[key] = float(d[key])
+        if d.get("backward_op_overhead_s") is not None:
+            d["backward_op_overhead_s"] = float(d["backward_op_overhead_s"])
         for key in ("elementwise_bandwidth", "activation_bandwidth"):
             ew = d.get(key)
             if isinstance(ew, (list, tuple)):

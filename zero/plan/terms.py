@@ -235,8 +235,8 @@ class _Costing:
         own = max(back - b.recompute_bytes, 0.0)
         i_share = (own * 1.6 / 2.3 + b.recompute_bytes) / back if back > 0 else 0.0
         f += fwd_s + weights + b.ops * p.op_overhead_s
-        i += i_share * back_s + weights + 1.2 * b.ops * p.op_overhead_s
-        w += (1.0 - i_share) * back_s + weights + 0.5 * b.ops * p.op_overhead_s
+        i += i_share * back_s + weights + 1.2 * b.ops * p.backward_op_s
+        w += (1.0 - i_share) * back_s + weights + 0.5 * b.ops * p.backward_op_s
         k = self.contention
         return {"F": f * k, "I": i * k, "W": w * k}
 
