@@ -1,10 +1,11 @@
 """How good are the planner's predictions? (a) measured here: the trainer run for a few steps per
 layout on gloo ranks, against ``zero.plan``'s step time and model-state memory on the
 ``cpu_2core`` profile, or with ``--calibrate`` on a profile measured just before each round;
-(b) on paper: two published large runs against the planner on vendor profiles.
+(b) on paper: two published large runs against the planner on vendor profiles; (r) one rank's
+bare forward and backward on ``model=small`` and shapes around it against the planner's compute.
 
-    python -m experiments.bench.plan [--part a|b|ab] [--steps 8] [--rounds 3] [--quick] [--calibrate]
-                                     [--out results.json]
+    python -m experiments.bench.plan [--part a|b|ab|r] [--steps 8] [--rounds 3] [--quick] [--calibrate]
+                                     [--profile cpu_2core] [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
 ``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a time
@@ -338,6 +339,78 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
     return dict(rows=rows, summary=summary)
 
 
+# ----- (r) one rank's compute --------------------------------------------------------------------
+
+# (label, TransformerConfig fields over model=small's, sequences, tokens each): model=small and
+# shapes around it, each dimension moved once
+ONE_RANK = [
+    ("model=small", {}, 16, 128),
+    ("model=small", {}, 8, 128),
+    ("model=small", {}, 4, 128),
+    (
+        "width 96, 6 heads, 2 blocks, 4 experts of 192",
+        dict(d_model=96, n_heads=6, d_ff=192, experts=4, n_layers=2),
+        16,
+        64,
+    ),
+    ("width 96, 6 heads", dict(d_model=96, n_heads=6), 16, 128),
+    ("experts of 128", dict(d_ff=128), 16, 128),
+    ("width 128, 8 heads, experts of 512", dict(d_model=128, n_heads=8, d_ff=512), 8, 128),
+]
+
+
+def _one_rank_config(fields: dict) -> TransformerConfig:
+    f = dict(d_model=64, n_layers=4, n_heads=4, d_ff=256, experts=8) | fields
+    m = MoEConfig(d_model=f["d_model"], d_ff=f["d_ff"], num_experts=f["experts"], top_k=2)
+    return TransformerConfig(
+        vocab_size=256,
+        d_model=f["d_model"],
+        n_layers=f["n_layers"],
+        n_heads=f["n_heads"],
+        d_ff=f["d_ff"],
+        max_seq_len=128,
+        moe=m,
+    )
+
+
+def part_r(profile_name: str, steps: int = 9) -> dict:
+    """One rank's bare forward and backward (the model and a cross-entropy loss, one thread, the
+    median of ``steps`` after two) on each ``ONE_RANK`` shape, against the planner's compute for
+    one rank (``zero.plan``'s F, I and W passes, no trainer around them) on ``profile_name``."""
+    import torch
+    import torch.nn.functional as nnf
+
+    from experiments.calibrate import _times
+    from moe.model import Transformer
+    from zero.plan.terms import _Costing
+
+    torch.set_num_threads(1)
+    profile = dataclasses.replace(zplan.load_profile(profile_name), background_load=0.0)
+    rows = []
+    for label, fields, B, L in ONE_RANK:
+        cfg = _one_rank_config(fields)
+        costs = model_costs(cfg, L, experts=profile.expert_kernel)
+        cst = _Costing(zplan.LayoutRecord(world=1, batch_size=B), costs, profile, None)
+        predicted = sum(sum(cst.compute(b).values()) for b in costs.blocks)
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        x = torch.randint(0, cfg.vocab_size, (B, L))
+
+        def step():
+            nnf.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+
+        step()  # and _times' own warm-up: two untimed steps
+        times = _times(step, steps)
+        measured = statistics.median(times)
+        rows.append(dict(shape=f"{label}, {B} x {L}", measured_s=measured, predicted_s=predicted))
+        print(
+            f"| {label}, {B} x {L} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} | {predicted / measured - 1:+.0%} |"
+        )
+    mae = float(np.mean([abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]) * 100)
+    print(f"\none rank's forward and backward on {profile.name}: mean absolute error {mae:.1f}%")
+    return dict(rows=rows, mae_pct=mae, profile=profile.name)
+
+
 # ----- (b) on paper ---------------------------------------------------------------------------------
 
 
@@ -501,7 +574,8 @@ def part_b(skew: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="ab", choices=["a", "b", "ab"])
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r"])
+    ap.add_argument("--profile", default="cpu_2core", help="(r): the profile predicted on")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
     ap.add_argument("--quick", action="store_true", help=f"(a): {len(QUICK)} of the {len(LAYOUTS)} layouts")
@@ -531,6 +605,9 @@ def main(argv=None) -> int:
             results["a"] = part_a(a.steps, a.quick, a.rounds, a.calibrate)
     if "b" in a.part:
         results["b"] = part_b(a.skew)
+    if a.part == "r":
+        print("| shape (sequences x tokens) | measured ms | predicted ms | error |\n|---|---|---|---|")
+        results["r"] = part_r(a.profile)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1, default=lambda o: dataclasses.asdict(o)))
     return 0

@@ -221,3 +221,16 @@ def test_the_planner_benchmarks_layout_row_is_the_median_run():
     assert row["predicted_s_shipped"] == pytest.approx(0.16)
     assert row["measured_peak"] == 10.0 and row["measured_model_states"] == 7.0  # the largest
     assert row["layout"] == rec.label() and row["runs"] is runs
+
+
+def test_the_planner_benchmarks_one_rank_shapes_start_from_the_trainers_model_small():
+    # --part r reports its first shapes as model=small: the config it builds must be the one the
+    # trainer composes for model=small at the benchmark's sequence length, and each other shape
+    # must differ from it
+    from experiments.bench.plan import BASE, ONE_RANK, _one_rank_config
+    from experiments.plan import _model_config, compose
+
+    small = _model_config(compose(BASE))
+    assert _one_rank_config({}) == small
+    assert all(label == "model=small" for label, fields, _, _ in ONE_RANK if not fields)
+    assert all(_one_rank_config(fields) != small for _, fields, _, _ in ONE_RANK if fields)
