@@ -25,7 +25,9 @@ valid combination, on the profile's nodes; off by default, as qwZ and qgZ quanti
 holding one of ``parallel.zero_hpz``/``zero_qwz``/``zero_qgz`` searches them too).
 
 ``--calibrate`` measures the machine it runs on: matmul FLOP/s by size, a large copy's bandwidth,
-the fixed cost of one operator, the host optimizer's rate, and each collective by message size on 2
+the non-matmul operators' rates by rows (the norms, rotary and residuals; the FFN activation), the
+fixed cost of one forward and one backward operator of this code (a tiny model's steps), the host
+optimizer's rate, and each collective by message size on 2
 local ranks (gloo on a CPU, between ranks that compute before each call; NCCL on 2+ GPUs; α, β by
 least squares), each figure the median of ``--repeats`` measurements (3 on a CPU), and writes a
 profile yaml.

@@ -364,8 +364,8 @@ def test_backward_bytes_are_the_backwards_operator_by_operator(monkeypatch, name
     # the backward's share of the bandwidth term rests on these: per block, the backward's
     # non-matmul bytes on the CPU's kernels (the fused routed experts, autograd elsewhere), counted
     # as the forward's are, against moe.costs' per-class factors of the forward's bytes. Within 8%:
-    # three factors stand for every operator's backward, and the configs' mixes differ (7% at most
-    # here, against up to 27% for one factor of 2.3 for all)
+    # three factors stand for every operator's backward, and the configs' mixes differ (7.6% at
+    # most here, against up to 25% for one factor of 2.3 for all)
     import functools
 
     import moe.attention
