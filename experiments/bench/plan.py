@@ -2,9 +2,10 @@
 layout on gloo ranks, against ``zero.plan``'s step time and model-state memory on the
 ``cpu_2core`` profile, or with ``--calibrate`` on a profile measured just before each round;
 (b) on paper: two published large runs against the planner on vendor profiles; (r) one rank's
-bare forward and backward on ``model=small`` and shapes around it against the planner's compute.
+bare forward and backward on ``model=small`` and shapes around it against the planner's compute;
+(s) the zero-bubble schedules' split backward against a whole one.
 
-    python -m experiments.bench.plan [--part a|b|ab|r] [--steps 8] [--rounds 3] [--quick] [--calibrate]
+    python -m experiments.bench.plan [--part a|b|ab|r|s] [--steps 8] [--rounds 3] [--quick] [--calibrate]
                                      [--profile cpu_2core] [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
@@ -41,6 +42,7 @@ the published one, and where the published layout ranks among the planner's layo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -411,6 +413,66 @@ def part_r(profile_name: str, steps: int = 9) -> dict:
     return dict(rows=rows, mae_pct=mae, profile=profile.name)
 
 
+# ----- (s) the split backward ------------------------------------------------------------------------
+
+
+def part_s(steps: int = 10) -> dict:
+    """The zero-bubble schedules' split backward against a whole one, on one process: two blocks of
+    ``model=small`` (dense, and MoE on the CPU kernel and on the reference loop) on one micro-batch
+    of 4 x 128 tokens, torch.distributed.pipelining's ``stage_backward`` against its
+    ``stage_backward_input`` then ``stage_backward_weight`` (the median of ``steps`` after two).
+    The planner takes the two passes to cost the whole backward's time between them."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    import routing_kernels as rk
+    from experiments.plan import _model_config, compose
+    from moe.model import Transformer
+
+    torch.set_num_threads(1)
+    small = _model_config(compose(BASE))
+    torch.manual_seed(0)
+    moe_model = Transformer(small)
+    dense_model = Transformer(dataclasses.replace(small, moe_every=0, moe=None, n_layers=2))
+    cos, sin = moe_model.rope_cos[:128], moe_model.rope_sin[:128]
+    h0, grad = torch.randn(4, 128, small.d_model), torch.randn(4, 128, small.d_model)
+    out = {}
+    for label, blocks, backend in (
+        ("2 dense blocks", dense_model.blocks[:2], None),
+        ("2 MoE blocks, CPU kernel", moe_model.blocks[:2], None),
+        ("2 MoE blocks, reference loop", moe_model.blocks[:2], "loop"),
+    ):
+        params = list(torch.nn.ModuleList(blocks).parameters())
+
+        def forward():
+            x = h0.clone().requires_grad_()
+            y = x
+            for b in blocks:
+                y = b(y, cos, sin)
+            return x, y
+
+        whole, inputs, weights = [], [], []
+        with rk.use_expert_backend(backend) if backend else contextlib.nullcontext():
+            for _ in range(steps + 2):
+                x, y = forward()
+                t = time.perf_counter()
+                stage_backward(y, grad, [x])
+                whole.append(time.perf_counter() - t)
+                x, y = forward()
+                t = time.perf_counter()
+                _, groups = stage_backward_input([y], [grad], [x], iter(params))
+                t1 = time.perf_counter()
+                stage_backward_weight(iter(params), groups)
+                inputs.append(t1 - t)
+                weights.append(time.perf_counter() - t1)
+                for p in params:
+                    p.grad = None
+        w, i, wt = (statistics.median(v[2:]) for v in (whole, inputs, weights))
+        out[label] = dict(whole_s=w, input_s=i, weight_s=wt)
+        print(f"| {label} | {w * 1e3:.2f} | {i * 1e3:.2f} | {wt * 1e3:.2f} | {(i + wt) / w:.2f}x |")
+    return out
+
+
 # ----- (b) on paper ---------------------------------------------------------------------------------
 
 
@@ -574,7 +636,7 @@ def part_b(skew: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r"])
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s"])
     ap.add_argument("--profile", default="cpu_2core", help="(r): the profile predicted on")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
@@ -605,6 +667,10 @@ def main(argv=None) -> int:
             results["a"] = part_a(a.steps, a.quick, a.rounds, a.calibrate)
     if "b" in a.part:
         results["b"] = part_b(a.skew)
+    if a.part == "s":
+        print("| two blocks, 4 x 128 tokens | whole backward ms | input pass ms | weight pass ms | split / whole |")
+        print("|---|---|---|---|---|")
+        results["s"] = part_s()
     if a.part == "r":
         print("| shape (sequences x tokens) | measured ms | predicted ms | error |\n|---|---|---|---|")
         results["r"] = part_r(a.profile)
