@@ -418,9 +418,10 @@ def part_r(profile_name: str, steps: int = 9) -> dict:
 
 def part_s(steps: int = 10) -> dict:
     """The zero-bubble schedules' split backward against a whole one, on one process: two blocks of
-    ``model=small`` (dense, and MoE on the CPU kernel and on the reference loop) on one micro-batch
-    of 4 x 128 tokens, torch.distributed.pipelining's ``stage_backward`` against its
-    ``stage_backward_input`` then ``stage_backward_weight`` (the median of ``steps`` after two).
+    ``model=small`` (dense, and MoE on the CPU kernel and on the reference loop; dense also at
+    widths 256 and 512) on one micro-batch of 4 x 128 tokens, torch.distributed.pipelining's
+    ``stage_backward`` against its ``stage_backward_input`` then ``stage_backward_weight`` (the
+    median of ``steps`` after two).
     The planner takes the two passes to cost the whole backward's time between them."""
     import torch
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
@@ -433,16 +434,27 @@ def part_s(steps: int = 10) -> dict:
     small = _model_config(compose(BASE))
     torch.manual_seed(0)
     moe_model = Transformer(small)
-    dense_model = Transformer(dataclasses.replace(small, moe_every=0, moe=None, n_layers=2))
-    cos, sin = moe_model.rope_cos[:128], moe_model.rope_sin[:128]
-    h0, grad = torch.randn(4, 128, small.d_model), torch.randn(4, 128, small.d_model)
+
+    def dense(width: int):  # model=small's blocks made dense, at width (and FFN 4x width, heads of 16)
+        return Transformer(
+            dataclasses.replace(
+                small, moe_every=0, moe=None, n_layers=2, d_model=width, d_ff=4 * width, n_heads=width // 16
+            )
+        )
+
     out = {}
-    for label, blocks, backend in (
-        ("2 dense blocks", dense_model.blocks[:2], None),
-        ("2 MoE blocks, CPU kernel", moe_model.blocks[:2], None),
-        ("2 MoE blocks, reference loop", moe_model.blocks[:2], "loop"),
+    for label, model, backend in (
+        ("2 dense blocks", dense(small.d_model), None),
+        ("2 MoE blocks, CPU kernel", moe_model, None),
+        ("2 MoE blocks, reference loop", moe_model, "loop"),
+        ("2 dense blocks at width 256", dense(256), None),
+        ("2 dense blocks at width 512", dense(512), None),
     ):
+        blocks = model.blocks[:2]
         params = list(torch.nn.ModuleList(blocks).parameters())
+        width = model.cfg.d_model
+        cos, sin = model.rope_cos[:128], model.rope_sin[:128]
+        h0, grad = torch.randn(4, 128, width), torch.randn(4, 128, width)
 
         def forward():
             x = h0.clone().requires_grad_()
