@@ -79,7 +79,7 @@ def _rotary_traffic(width: float, c: int) -> float:
     # moe.rope.apply_rotary on ``width`` rotated values, in fp32: the contiguous fp32 copy of the
     # head-split view (read c, write 4), two products (16), the halves' difference and sum (6 + 6),
     # their concatenation (8), the cast back (read 4, write c; none in fp32)
-    return 36 * width + (c + 4) * width + (0.0 if c == 4 else (4 + c) * width)
+    return 36 * width + _cast(width, c) + _rotary_copy(width, c)
 
 
 def _act_traffic(f: float, activation: str, c: int) -> float:
@@ -360,8 +360,7 @@ def model_costs(
                 elementwise_bytes=traffic,
                 activation_bytes=routed_act + ffn_act,
                 backward_bytes=_backward_traffic(traffic - attn_copies, routed_act, ffn_act),
-                backward_activation_bytes=_BACKWARD_PER_FORWARD["routed"] * routed_act
-                + _BACKWARD_PER_FORWARD["ffn"] * ffn_act,
+                backward_activation_bytes=_backward_traffic(routed_act + ffn_act, routed_act, ffn_act),
                 recompute_bytes=recompute,
                 ops=ops,
                 act_bytes=saved,
