@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -223,6 +224,8 @@ def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
     chain_s = _time(chain, 10, sync, best=best) / _dispatched(chain)
     out.update(measure_elementwise(device, sync, best, chain_s, quick))
     out.update(measure_op_overhead(device, sync, best))
+    if not cuda:
+        out.update(measure_forward_elementwise(device, out, best, quick))
     if cuda:
         host = torch.empty(1 << 26, pin_memory=True)
         dev = torch.empty(1 << 26, device=device)
@@ -255,6 +258,94 @@ def _reference_model(device):
     cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=16, max_seq_len=8, moe=moe_cfg)
     torch.manual_seed(0)
     return Transformer(cfg).to(device), torch.randint(0, 32, (1, 8), device=device)
+
+
+def _reference_block_config():
+    """The MoE block ``measure_forward_elementwise`` times: width 96, 6 heads of 16, 4 experts of
+    192, top-2, sequences of 128 (a shape of no shipped model: the planner's check on
+    ``model=small`` stays a check)."""
+    from moe import MoEConfig
+    from moe.model import TransformerConfig
+
+    moe_cfg = MoEConfig(d_model=96, d_ff=192, num_experts=4, top_k=2)
+    return TransformerConfig(vocab_size=256, d_model=96, n_layers=1, n_heads=6, d_ff=192, max_seq_len=128, moe=moe_cfg)
+
+
+def _rates_profile(rates: dict, device: str) -> zplan.Profile:
+    """A profile of the rates measured so far (``measure_device``'s), the forward's other
+    operators free: what a block's forward costs beyond them."""
+    free = zplan.AlphaBeta(0.0, math.inf)
+    return zplan.Profile(
+        name="calibrating",
+        device=device,
+        device_memory_bytes=math.inf,
+        node_size=1,
+        matmul_flops=rates["matmul_flops"],
+        attention_flops=rates["attention_flops"],
+        memory_bandwidth=rates["memory_bandwidth"],
+        collectives={t: {op: free for op in zplan.profile.COLLECTIVES} for t in zplan.profile.TIERS},
+        op_overhead_s=rates["op_overhead_s"],
+        backward_op_overhead_s=rates["backward_op_overhead_s"],
+        elementwise_bandwidth=rates["elementwise_bandwidth"],
+        activation_bandwidth=rates["activation_bandwidth"],
+        forward_elementwise_bandwidth=math.inf,
+        expert_kernel="grouped" if str(device).startswith("cuda") else "fused",
+    )
+
+
+def forward_rest_rate(block, tokens: int, measured_s: float, profile: zplan.Profile) -> float:
+    """The bytes/s of ``block``'s (a ``BlockCost``) forward operators other than its products,
+    attention kernel and activation, whose forward over ``tokens`` tokens took ``measured_s``: what
+    the planner's forward on ``profile`` (those operators free) leaves of it, per byte they move
+    (``moe.costs``' count). At most 10x the rate the time itself would give (a remainder under a
+    tenth of the time is noise about a term the planner over-counts)."""
+    from zero.plan.terms import _Costing
+
+    costs = zplan.ModelCosts(blocks=(block,), seq_len=tokens)  # one sequence of all the tokens
+    counted = _Costing(zplan.LayoutRecord(world=1, batch_size=1), costs, profile, None).compute(block)["F"]
+    rest = (block.elementwise_bytes - block.activation_bytes) * tokens
+    return rest / max(measured_s - counted, 0.1 * measured_s)
+
+
+def measure_forward_elementwise(device, rates: dict, best: bool, quick: bool = False) -> dict:
+    """``{"forward_elementwise_bandwidth": [[rows, bytes/s], ...]}``: the forward's non-matmul
+    operators other than the activation, as a real block runs them. The reference MoE block
+    (``_reference_block_config``) is timed forward (each forward then run backward, untimed, as
+    training does) at the elementwise mixes' rows, and what its products, attention kernel,
+    activation and operators' fixed cost leave of the time at the ``rates`` measured just before
+    (``_rates_profile``) is divided into the bytes its other operators move (``forward_rest_rate``).
+    The mixes time those operators alone; a block's forward also runs the router's softmax, top-k,
+    logsumexp and sorts over rows of a few experts (150-600 ns a row on a CPU, whatever their
+    bytes), the expert kernel's bookkeeping per block of rows and the rotary's strided views: the
+    planner's forward came out 13-27% low without them (docs/design.md). The backward's remainder is
+    a tenth of its time, too small to measure this way: it keeps the mixes' rate."""
+    import torch
+
+    from moe.costs import model_costs
+    from moe.model import Transformer
+
+    cfg = _reference_block_config()
+    profile = _rates_profile(rates, device)
+    block_cost = model_costs(cfg, cfg.max_seq_len, experts=profile.expert_kernel).blocks[1]
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device)
+    block = model.blocks[0]
+    L = cfg.max_seq_len
+    cos, sin = model.rope_cos[:L], model.rope_sin[:L]
+    table = []
+    for rows in ELEMENTWISE_ROWS_CPU[::2] if quick else ELEMENTWISE_ROWS_CPU:
+        x = torch.randn(rows // L, L, cfg.d_model, device=device, requires_grad=True)
+        grad = torch.randn_like(x)
+        times = []
+        for _ in range(7 if rows <= 4096 else 5):
+            t = time.perf_counter()
+            y = block(x, cos, sin)
+            times.append(time.perf_counter() - t)
+            y.backward(grad)
+        times = sorted(times[2:])  # two warm-ups: the kernel's pool, the autograd engine
+        t = times[0] if best else statistics.median(times)
+        table.append([float(rows), forward_rest_rate(block_cost, rows, t, profile)])
+    return {"forward_elementwise_bandwidth": table}
 
 
 def measure_op_overhead(device, sync, best: bool) -> dict:
@@ -330,6 +421,7 @@ _RATES = (
     "memory_bandwidth",
     "elementwise_bandwidth",
     "activation_bandwidth",
+    "forward_elementwise_bandwidth",  # a CPU's only
     "op_overhead_s",
     "backward_op_overhead_s",
     "host_link_bandwidth",
@@ -371,7 +463,7 @@ def measure_cpu_busy(cores: int, quick: bool = False) -> dict:
             [*row[:2], *(sum(r["attention_flops"][dtype][i][j] for r in runs) / len(runs) for j in (2, 3))]
             for i, row in enumerate(rows)
         ]
-    for key in _RATES:
+    for key in (k for k in _RATES if k in runs[0]):
         if isinstance(runs[0][key], list):  # a table [[x, rate], ...]: the rates' mean per row
             out[key] = [[row[0], sum(r[key][i][1] for r in runs) / len(runs)] for i, row in enumerate(runs[0][key])]
         else:
@@ -469,18 +561,36 @@ BUSY_SEGMENT_S = 0.003
 
 
 def _busy_segment(seconds: float):
-    """A function of about ``seconds`` of one thread's matrix products (sized here, once)."""
+    """A function of about ``seconds`` of one thread's training work: forwards of the reference
+    MoE block (``_reference_block_config``) over one sequence, sized here, once. What a rank runs
+    before a collective decides what the collective costs it: on a 2-core CPU a 16-element
+    all-reduce after a block's forward took 3.7-4.5 ms, after as long of bare matrix products
+    1.0-1.8 (docs/design.md)."""
     import torch
 
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    from moe.model import Transformer
+
+    cfg = _reference_block_config()
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    block, L = model.blocks[0], cfg.max_seq_len
+    cos, sin = model.rope_cos[:L], model.rope_sin[:L]
+    x = torch.randn(1, L, cfg.d_model)
+
+    @torch.no_grad()
+    def one():
+        block(x, cos, sin)
+
+    for _ in range(3):  # warm: the kernel's pool
+        one()
     t = time.perf_counter()
-    for _ in range(100):
-        torch.mm(a, b)
-    n = max(1, round(seconds / max((time.perf_counter() - t) / 100, 1e-9)))
+    for _ in range(5):
+        one()
+    n = max(1, round(seconds / max((time.perf_counter() - t) / 5, 1e-9)))
 
     def work():
         for _ in range(n):
-            torch.mm(a, b)
+            one()
 
     return work
 
@@ -583,7 +693,7 @@ def run_calibrate(argv: list[str]) -> int:
     d = dict(base)
     d.update(name=name, notes="")
     sources = dict(base.get("sources") or {})
-    for key in ("matmul_flops", "attention_flops", *_RATES):
+    for key in ("matmul_flops", "attention_flops", *(k for k in _RATES if k in m)):
         d[key] = m[key]
         sources[key] = (
             f"measured by python -m experiments.plan --calibrate on {device}, "

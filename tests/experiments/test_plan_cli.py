@@ -106,10 +106,41 @@ def test_calibrate_writes_a_profile_that_loads(tmp_path):
     p = zplan.load_profile(out)
     assert p.name == "here" and p.memory_bandwidth > 0 and p.op_overhead_s > 0 and p.backward_op_overhead_s > 0
     assert all(len(row) == 4 and row[-1] > 0 for rows in p.matmul_flops.values() for row in rows)
-    # the two non-matmul rates by rows (--quick: 256 and 4,096), each row positive
-    for table in (p.elementwise_bandwidth, p.activation_bandwidth):
+    # the three non-matmul rates by rows (--quick: 256 and 4,096), each row positive
+    for table in (p.elementwise_bandwidth, p.activation_bandwidth, p.forward_elementwise_bandwidth):
         assert [row[0] for row in table] == [256.0, 4096.0] and all(row[1] > 0 for row in table)
     assert p.collectives == zplan.load_profile("cpu_2core").collectives  # from --base: not measured here
+
+
+def test_the_forwards_rate_is_what_the_reference_blocks_time_leaves_per_byte():
+    """``forward_rest_rate`` inverts the planner's forward: a time made of the block's counted
+    forward (products, attention, activation, operators) plus its other bytes at a rate R gives R
+    back, whatever the tokens; a time under a tenth above the counted part is held at ten times
+    what the time alone gives; the profile it predicts on leaves those bytes free."""
+    from experiments.calibrate import _rates_profile, _reference_block_config, forward_rest_rate
+    from moe.costs import model_costs
+    from zero.plan.terms import _Costing
+
+    shipped = zplan.load_profile("cpu_2core").to_dict()
+    profile = _rates_profile(shipped, "cpu")
+    assert profile.forward_elementwise_rate(256) == math.inf  # the bytes measured are not counted twice
+    cfg = _reference_block_config()
+    block = model_costs(cfg, cfg.max_seq_len, experts="fused").blocks[1]
+    assert block.is_moe and block.elementwise_bytes > block.activation_bytes > 0
+    rest = block.elementwise_bytes - block.activation_bytes
+    for tokens in (256, 4096):
+        costs = zplan.ModelCosts(blocks=(block,), seq_len=tokens)
+        counted = _Costing(zplan.LayoutRecord(world=1, batch_size=1), costs, profile, None).compute(block)["F"]
+        assert counted > 0
+        for rate in (2e9, 5e9):
+            measured = counted + rest * tokens / rate
+            assert rest * tokens / rate > 0.1 * measured  # above the floor
+            assert forward_rest_rate(block, tokens, measured, profile) == pytest.approx(rate)
+        # the counted part alone: the remainder held at a tenth of the time
+        assert forward_rest_rate(block, tokens, counted, profile) == pytest.approx(rest * tokens / (0.1 * counted))
+        # on the rates with those bytes counted, the same time leaves less: the rate comes out higher
+        full = zplan.Profile.from_dict({**profile.to_dict(), "forward_elementwise_bandwidth": 2e9})
+        assert forward_rest_rate(block, tokens, counted + rest * tokens / 2e9, full) > 2e9
 
 
 def test_calibration_keeps_the_median_of_its_repeats():

@@ -604,6 +604,30 @@ def test_the_activations_bytes_take_the_activation_rate():
     assert Profile.from_dict(slow.to_dict()) == slow
 
 
+def test_the_forwards_other_bytes_take_the_forward_rate():
+    """The forward's non-matmul bytes other than the activation run at
+    ``forward_elementwise_bandwidth`` (a table by rows, as the reference block measured it);
+    unset, at the elementwise rate. By hand: slowing it adds those bytes' time to the forward
+    only; the activation and the backward keep their rates; the field round-trips."""
+    from zero.plan.terms import _Costing
+
+    costs = model_costs(model_config(cfg_of(*MODEL)), 8)
+    block = next(b for b in costs.blocks if b.is_moe)
+    r = zplan.LayoutRecord(world=1, batch_size=4)
+    rate = 1e10
+    flat = _profile(elementwise_bandwidth=rate, activation_bandwidth=rate / 2)
+    assert flat.forward_elementwise_rate(32) == rate
+    table = [[16.0, rate / 4], [4096.0, rate / 4]]
+    slow = _profile(elementwise_bandwidth=rate, activation_bandwidth=rate / 2, forward_elementwise_bandwidth=table)
+    assert slow.forward_elementwise_rate(32) == pytest.approx(rate / 4)
+    base = _Costing(r, costs, flat, None)
+    t_flat, t_slow = (_Costing(r, costs, p, None).compute(block) for p in (flat, slow))
+    rest = block.elementwise_bytes - block.activation_bytes
+    assert t_slow["F"] - t_flat["F"] == pytest.approx(rest * base.tokens * (4 - 1) / rate * base.contention)
+    assert (t_slow["I"], t_slow["W"]) == (t_flat["I"], t_flat["W"])
+    assert Profile.from_dict(slow.to_dict()) == slow
+
+
 def test_the_backward_takes_its_own_operator_cost():
     """A forward operator costs ``op_overhead_s``, a backward one ``backward_op_overhead_s`` (1.2 and
     0.5 of the forward's count for the input and weight passes); unset, the backward takes the

@@ -115,6 +115,13 @@ class Profile:
     # computes silu's exponential at ~2.7 G values/s on one core whatever their size, a third of
     # what its other operators run at from cache; None: the elementwise rate
     activation_bandwidth: float | list[list[float]] | None = None
+    # the same of the forward's other operators as a real block runs them: a reference MoE block's
+    # measured forward less its products, attention kernel, activation and operators' fixed cost,
+    # per byte its other operators move (experiments.calibrate.measure_forward_elementwise). It
+    # takes in what the mixes behind elementwise_bandwidth miss (the router's reductions over rows
+    # of a few experts, the expert kernel's bookkeeping per block, strided views): 9-12 GB/s on a
+    # 2-core CPU where the mix gives 19-39. None: the elementwise rate
+    forward_elementwise_bandwidth: float | list[list[float]] | None = None
     # other work that shares the node's compute slots, in busy processes (0 on dedicated GPUs; on a
     # shared host measured from the share s of a core one busy process gets: slots / s - 1)
     background_load: float = 0.0
@@ -170,7 +177,7 @@ class Profile:
         object.__setattr__(self, "_attn", attn)
         if not self.background_load >= 0:
             raise ValueError(f"profile {self.name}: background_load={self.background_load!r} must be >= 0")
-        for key in ("elementwise_bandwidth", "activation_bandwidth"):
+        for key in _RATE_TABLES:
             object.__setattr__(self, "_" + key, _rate_table(self.name, key, getattr(self, key)))
 
     def matmul_rate(self, dtype: str, m: float, k: float, n: float) -> float:
@@ -204,6 +211,12 @@ class Profile:
         """Bytes/s of the FFN activation's operators on tensors of ``rows`` rows
         (``activation_bandwidth`` as ``elementwise_rate`` reads its table), else the elementwise rate."""
         return _rate_at(self._activation_bandwidth, rows, self.elementwise_rate(rows))
+
+    def forward_elementwise_rate(self, rows: float) -> float:
+        """Bytes/s of the forward's non-matmul operators other than the activation on tensors of
+        ``rows`` rows (``forward_elementwise_bandwidth`` as ``elementwise_rate`` reads its table),
+        else the elementwise rate."""
+        return _rate_at(self._forward_elementwise_bandwidth, rows, self.elementwise_rate(rows))
 
     @property
     def backward_op_s(self) -> float:
@@ -246,7 +259,7 @@ class Profile:
                 d[key] = float(d[key])
         if d.get("backward_op_overhead_s") is not None:
             d["backward_op_overhead_s"] = float(d["backward_op_overhead_s"])
-        for key in ("elementwise_bandwidth", "activation_bandwidth"):
+        for key in _RATE_TABLES:
             ew = d.get(key)
             if isinstance(ew, (list, tuple)):
                 d[key] = [[float(x) for x in row] for row in ew]
@@ -255,6 +268,10 @@ class Profile:
         for key in ("matmul_flops", "attention_flops"):
             d[key] = {k: [[float(x) for x in row] for row in v] for k, v in (d.get(key) or {}).items()}
         return cls(**d)
+
+
+# the rates a profile gives as one number or a table by rows
+_RATE_TABLES = ("elementwise_bandwidth", "activation_bandwidth", "forward_elementwise_bandwidth")
 
 
 def _rate_table(name: str, key: str, value):

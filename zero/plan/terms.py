@@ -220,13 +220,14 @@ class _Costing:
         held = b.params_dense + b.params_expert / rec.ep
         weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
         # the non-matmul operators at the rates of tensors of this micro-batch's rows: the FFN
-        # activation's at its own, the rest at the elementwise rate
-        rate, act_rate = p.elementwise_rate(T), p.activation_rate(T)
+        # activation's at its own, the rest at the elementwise rate (the forward's at its own: as a
+        # reference block runs them, where measured)
+        rate, act_rate, fwd_rate = p.elementwise_rate(T), p.activation_rate(T), p.forward_elementwise_rate(T)
         if b.backward_bytes is None:
             back, back_act = 2.3 * b.elementwise_bytes + b.recompute_bytes, 2.3 * b.activation_bytes
         else:
             back, back_act = b.backward_bytes, b.backward_activation_bytes
-        fwd_s = T * ((b.elementwise_bytes - b.activation_bytes) / rate + b.activation_bytes / act_rate)
+        fwd_s = T * ((b.elementwise_bytes - b.activation_bytes) / fwd_rate + b.activation_bytes / act_rate)
         back_s = T * ((back - back_act) / rate + back_act / act_rate)
         # the backward dispatches ~1.7x the forward's operators (counted: 1.5x for an MoE block,
         # 1.9x for a dense one); of its bytes, the recomputation is the input gradient's and the
