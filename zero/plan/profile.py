@@ -119,7 +119,7 @@ class Profile:
     # measured forward less its products, attention kernel, activation and operators' fixed cost,
     # per byte its other operators move (experiments.calibrate.measure_forward_elementwise). It
     # takes in what the mixes behind elementwise_bandwidth miss (the router's reductions over rows
-    # of a few experts, the expert kernel's bookkeeping per block, strided views): 9-12 GB/s on a
+    # of a few experts, the expert kernel's bookkeeping per block, strided views): 7-15 GB/s on a
     # 2-core CPU where the mix gives 19-39. None: the elementwise rate
     forward_elementwise_bandwidth: float | list[list[float]] | None = None
     # other work that shares the node's compute slots, in busy processes (0 on dedicated GPUs; on a
