@@ -226,6 +226,7 @@ def measure_device(device: str, quick: bool = False, best: bool = True) -> dict:
     out.update(measure_op_overhead(device, sync, best))
     if not cuda:
         out.update(measure_forward_elementwise(device, out, best, quick))
+        out.update(measure_split_backward(device, best, quick))
     if cuda:
         host = torch.empty(1 << 26, pin_memory=True)
         dev = torch.empty(1 << 26, device=device)
@@ -348,6 +349,62 @@ def measure_forward_elementwise(device, rates: dict, best: bool, quick: bool = F
     return {"forward_elementwise_bandwidth": table}
 
 
+def measure_split_backward(device, best: bool, quick: bool = False) -> dict:
+    """``{"split_input_share": [[rows, share], ...], "split_weight_share": [...]}``: the
+    zero-bubble schedules' split backward against a whole one. Two reference MoE blocks
+    (``_reference_block_config``) at the elementwise mixes' rows are run backward by
+    torch.distributed.pipelining's own ``stage_backward`` and, after another forward, by its
+    ``stage_backward_input`` then ``stage_backward_weight``; each pass's time over the whole's. The
+    weight pass walks the graph a second time, so the two add to more than the whole (1.5-1.7x on
+    a 2-core CPU at 512 tokens, falling as the products grow: docs/design.md)."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    from moe.model import Transformer
+
+    cfg = dataclasses.replace(_reference_block_config(), n_layers=2)
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device)
+    blocks = list(model.blocks)
+    params = [p for b in blocks for p in b.parameters()]
+    L = cfg.max_seq_len
+    cos, sin = model.rope_cos[:L], model.rope_sin[:L]
+    pick = min if best else statistics.median
+    inputs, weights = [], []
+    for rows in ELEMENTWISE_ROWS_CPU[::2] if quick else ELEMENTWISE_ROWS_CPU:
+        h0 = torch.randn(rows // L, L, cfg.d_model, device=device)
+        grad = torch.randn_like(h0)
+
+        def forward():
+            x = h0.clone().requires_grad_()
+            y = x
+            for b in blocks:
+                y = b(y, cos, sin)
+            return x, y
+
+        whole, inp, wt = [], [], []
+        for _ in range(7 if rows <= 4096 else 5):
+            x, y = forward()
+            t = time.perf_counter()
+            stage_backward(y, grad, [x])
+            whole.append(time.perf_counter() - t)
+            x, y = forward()
+            t = time.perf_counter()
+            _, groups = stage_backward_input([y], [grad], [x], iter(params))
+            t1 = time.perf_counter()
+            stage_backward_weight(iter(params), groups)
+            inp.append(t1 - t)
+            wt.append(time.perf_counter() - t1)
+            for p in params:
+                p.grad = None
+        w = pick(whole[2:])  # two warm-ups: the kernel's pool, the autograd engine
+        inputs.append([float(rows), pick(inp[2:]) / w])
+        weights.append([float(rows), pick(wt[2:]) / w])
+    return {"split_input_share": inputs, "split_weight_share": weights}
+
+
 def measure_op_overhead(device, sync, best: bool) -> dict:
     """``op_overhead_s`` and ``backward_op_overhead_s``: one operator's fixed cost in the forward,
     and in the backward per forward operator over the planner's 1.7 backward operators for each,
@@ -422,6 +479,8 @@ _RATES = (
     "elementwise_bandwidth",
     "activation_bandwidth",
     "forward_elementwise_bandwidth",  # a CPU's only
+    "split_input_share",  # a CPU's only
+    "split_weight_share",
     "op_overhead_s",
     "backward_op_overhead_s",
     "host_link_bandwidth",

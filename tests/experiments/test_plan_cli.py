@@ -109,6 +109,9 @@ def test_calibrate_writes_a_profile_that_loads(tmp_path):
     # the three non-matmul rates by rows (--quick: 256 and 4,096), each row positive
     for table in (p.elementwise_bandwidth, p.activation_bandwidth, p.forward_elementwise_bandwidth):
         assert [row[0] for row in table] == [256.0, 4096.0] and all(row[1] > 0 for row in table)
+    # the split backward's passes, each a share of a whole backward at those rows
+    for table in (p.split_input_share, p.split_weight_share):
+        assert [row[0] for row in table] == [256.0, 4096.0] and all(0 < row[1] < 10 for row in table)
     assert p.collectives == zplan.load_profile("cpu_2core").collectives  # from --base: not measured here
 
 

@@ -628,6 +628,45 @@ def test_the_forwards_other_bytes_take_the_forward_rate():
     assert Profile.from_dict(slow.to_dict()) == slow
 
 
+def test_a_split_backward_takes_its_measured_shares_of_the_whole(setting, monkeypatch):
+    """Under a schedule that splits the backward (ZBV), each stage's input and weight passes are
+    the profile's shares (by the micro-batch's rows) of its whole backward, so they can add to more
+    than the whole; schedules that run it whole, and a profile without the shares, keep the
+    planner's own split (I + W = B). The fields come together and round-trip."""
+    from zero.plan import cost
+
+    seen = []
+    real = cost.simulate_plan
+    monkeypatch.setattr(
+        cost, "simulate_plan", lambda plan, ranks, dur, *a: seen.append(dur) or real(plan, ranks, dur, *a)
+    )
+    shares = dict(split_input_share=[[16.0, 1.2], [4096.0, 0.9]], split_weight_share=0.7)
+    split = _profile(**shares)
+    rec = zplan.LayoutRecord(world=2, batch_size=BATCH, pp=2, pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=2)
+    if zplan.layout_problem(rec, setting.costs.num_layers, setting.costs.num_experts, setting.costs.tied):
+        pytest.skip("tied embeddings split over two ranks: no zbv layout")
+    T = rec.micro_rows * setting.costs.seq_len
+    share_in = split.split_backward_shares(T)[0]
+    assert 0.9 < share_in < 1.2 and split.split_backward_shares(T)[1] == 0.7  # between the table's rows
+    before = zplan.predict(rec, setting.costs, _profile())
+    own = seen[-1]
+    after = zplan.predict(rec, setting.costs, split)
+    dur = seen[-1]
+    assert dur["B"] == own["B"] and dur["F"] == own["F"]
+    assert own["I"] != pytest.approx([share_in * b for b in own["B"]])  # the planner's own split differs
+    assert dur["I"] == pytest.approx([share_in * b for b in own["B"]])
+    assert dur["W"] == pytest.approx([0.7 * b for b in own["B"]])
+    assert after.step_s > before.step_s  # 1.6-1.9x the whole: more time a step
+    whole = dataclasses.replace(rec, pp_schedule="1f1b", pp_virtual_stages=1)
+    assert zplan.predict(whole, setting.costs, split).step_s == zplan.predict(whole, setting.costs, _profile()).step_s
+    assert seen[-1]["I"] == seen[-2]["I"]
+    assert Profile.from_dict(split.to_dict()) == split
+    with pytest.raises(ValueError, match="split_input_share and split_weight_share come together"):
+        _profile(split_input_share=0.9)
+    with pytest.raises(ValueError, match=r"split_weight_share=-1.0 must be > 0 \(a share of the whole backward\)"):
+        _profile(split_input_share=0.9, split_weight_share=-1.0)
+
+
 def test_the_backward_takes_its_own_operator_cost():
     """A forward operator costs ``op_overhead_s``, a backward one ``backward_op_overhead_s`` (1.2 and
     0.5 of the forward's count for the input and weight passes); unset, the backward takes the

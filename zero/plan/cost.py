@@ -313,6 +313,11 @@ def predict(
             "W": [sum(layer_w(j) for j in range(*stages[s])) for s in range(n_st)],
         }
         dur["B"] = [a + b for a, b in zip(dur["I"], dur["W"])]
+        shares = profile.split_backward_shares(T) if plan.splits_backward else None
+        if shares is not None:
+            # a split backward's two passes as the profile measured them, each a share of the whole
+            # (their sum above 1: the weight pass walks the graph again)
+            dur["I"], dur["W"] = ([share * b for b in dur["B"]] for share in shares)
         stage_rank = [plan.rank_of(s) for s in range(n_st)]
         latency = []
         for s in range(n_st):

@@ -122,6 +122,13 @@ class Profile:
     # of a few experts, the expert kernel's bookkeeping per block, strided views): 7-15 GB/s on a
     # 2-core CPU where the mix gives 19-39. None: the elementwise rate
     forward_elementwise_bandwidth: float | list[list[float]] | None = None
+    # a split backward's passes (the zero-bubble schedules': torch's stage_backward_input, then
+    # stage_backward_weight) each over one whole backward of the same block: one share or
+    # [[rows, share], ...] by a micro-batch's tokens (experiments.calibrate.measure_split_backward:
+    # on a 2-core CPU the input pass alone takes 0.9-1.0 of the whole and the weight pass 0.6-0.7
+    # more, as its graph is walked twice). None: the planner's own split of the whole (sum 1)
+    split_input_share: float | list[list[float]] | None = None
+    split_weight_share: float | list[list[float]] | None = None
     # other work that shares the node's compute slots, in busy processes (0 on dedicated GPUs; on a
     # shared host measured from the share s of a core one busy process gets: slots / s - 1)
     background_load: float = 0.0
@@ -178,7 +185,13 @@ class Profile:
         if not self.background_load >= 0:
             raise ValueError(f"profile {self.name}: background_load={self.background_load!r} must be >= 0")
         for key in _RATE_TABLES:
-            object.__setattr__(self, "_" + key, _rate_table(self.name, key, getattr(self, key)))
+            unit = "a share of the whole backward" if key in _SHARES else "bytes/s"
+            object.__setattr__(self, "_" + key, _rate_table(self.name, key, getattr(self, key), unit))
+        if (self.split_input_share is None) != (self.split_weight_share is None):
+            raise ValueError(
+                f"profile {self.name}: split_input_share and split_weight_share come together "
+                f"(got {self.split_input_share!r} and {self.split_weight_share!r})"
+            )
 
     def matmul_rate(self, dtype: str, m: float, k: float, n: float) -> float:
         """FLOP/s of an [m, k] @ [k, n] product: the measured shapes' rates, interpolated in log
@@ -217,6 +230,14 @@ class Profile:
         ``rows`` rows (``forward_elementwise_bandwidth`` as ``elementwise_rate`` reads its table),
         else the elementwise rate."""
         return _rate_at(self._forward_elementwise_bandwidth, rows, self.elementwise_rate(rows))
+
+    def split_backward_shares(self, rows: float) -> tuple[float, float] | None:
+        """(input pass, weight pass) of a split backward on tensors of ``rows`` rows, each over
+        one whole backward (the tables read as ``elementwise_rate`` reads its own); None where the
+        profile measured none."""
+        if self._split_input_share is None:
+            return None
+        return _rate_at(self._split_input_share, rows, 1.0), _rate_at(self._split_weight_share, rows, 1.0)
 
     @property
     def backward_op_s(self) -> float:
@@ -270,11 +291,12 @@ class Profile:
         return cls(**d)
 
 
-# the rates a profile gives as one number or a table by rows
-_RATE_TABLES = ("elementwise_bandwidth", "activation_bandwidth", "forward_elementwise_bandwidth")
+# the rates (and the split backward's shares) a profile gives as one number or a table by rows
+_SHARES = ("split_input_share", "split_weight_share")
+_RATE_TABLES = ("elementwise_bandwidth", "activation_bandwidth", "forward_elementwise_bandwidth", *_SHARES)
 
 
-def _rate_table(name: str, key: str, value):
+def _rate_table(name: str, key: str, value, unit: str = "bytes/s"):
     """A rate field as ``_rate_at`` reads it: None, one rate, or ``[(log rows, log rate), ...]``
     sorted by rows; raises naming the field when it is neither."""
     if value is None:
@@ -282,12 +304,12 @@ def _rate_table(name: str, key: str, value):
     if isinstance(value, list):
         if not value or any(len(r) != 2 or not (r[0] >= 1 and r[1] > 0) for r in value):
             raise ValueError(
-                f"profile {name}: {key}={value!r} is invalid: expected one rate in bytes/s or a non-empty list "
-                "of [rows >= 1, bytes_s > 0]"
+                f"profile {name}: {key}={value!r} is invalid: expected one value > 0 ({unit}) or a non-empty "
+                "list of [rows >= 1, value > 0]"
             )
         return sorted((math.log(r[0]), math.log(r[1])) for r in value)
     if not value > 0:
-        raise ValueError(f"profile {name}: {key}={value!r} must be > 0 bytes/s")
+        raise ValueError(f"profile {name}: {key}={value!r} must be > 0 ({unit})")
     return float(value)
 
 
