@@ -120,8 +120,13 @@ def fixed_keys(overrides: list[str]) -> dict:
             out[field] = _parse_bool(value)
         elif field == "pp_schedule":
             out[field] = value
-        elif field == "pp_microbatches" and value.lower() in ("null", "none"):
+        elif field in ("pp_microbatches", "pp_layers") and value.lower() in ("null", "none"):
             continue
+        elif field == "pp_layers":
+            try:
+                out[field] = [int(k) for k in value.strip("[]").split(",")]
+            except ValueError:
+                raise ValueError(f"parallel.pp_layers={value!r} is invalid: expected a list of integers") from None
         else:
             out[field] = int(value)
     return out
@@ -172,6 +177,9 @@ def plan_layouts(cfg, world: int, profile: zplan.Profile, fixed: dict | None = N
         **kw,
     )
     recs = [dataclasses.replace(r, **block) for r in recs]  # the run's quantization settings
+    if "pp_layers" not in (fixed or {}):
+        # each pipeline also cut by its layers' costs, where that beats the even split
+        recs = zplan.with_balanced(recs, costs, profile, skew)
     if not recs:
         raise ValueError(
             f"no layout of {world} ranks is valid for train.batch_size={cfg.train.batch_size}, "

@@ -91,6 +91,9 @@ LAYOUTS = [
     (4, dict(ep=2, zero_stage=3)),
     (4, dict(pp=2, ep=2, zero_stage=3, pp_schedule="1f1b", pp_microbatches=4)),
     (4, dict(zero_stage=2, grad_accum=2, checkpoint_activations=True)),
+    # the planner's cut by cost of zbv's layers (zero.plan.split): rank 0 the embedding, a block, a
+    # block and the head, rank 1 two blocks, where the even cut gives rank 1 three
+    (2, dict(pp=2, pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=4, pp_layers=(2, 1, 1, 2))),
 ]
 QUICK = [0, 1, 4, 5, 8, 10, 12, 14]
 # --drift: one rank alone, then 2-rank data parallelism and a pipeline, at once after one calibration
@@ -581,6 +584,7 @@ def part_b(skew: float) -> dict:
             )
             if r.pp == 1 or r.pp_microbatches in case["microbatches"]
         ]
+        recs = zplan.with_balanced(recs, costs, profile, skew)  # as python -m experiments.plan lists them
         ranked = zplan.rank(costs, profile, recs, skew=skew)
         elapsed = time.perf_counter() - t0
         flops = costs.model_flops_per_token()

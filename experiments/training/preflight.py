@@ -136,6 +136,7 @@ def record_of(cfg, world: int) -> LayoutRecord:
         zero_qgz=bool(p.zero_qgz),
         zero_qgz_bits=int(p.zero_qgz_bits),
         zero_quant_block=int(p.zero_quant_block),
+        pp_layers=tuple(int(k) for k in p.pp_layers) if pp > 1 and p.pp_layers is not None else None,
     )
 
 
@@ -183,13 +184,10 @@ def fitting_layouts(cfg, world: int, profile: zplan.Profile, budget: float, devi
 
 def predict_config(cfg, world: int, device: torch.device | None = None) -> tuple[LayoutRecord, Prediction] | None:
     """The config's layout and its prediction, or None when the planner cannot judge it: a layout
-    the trainer refuses (its own checks name it after this), or ``parallel.pp_layers`` (the
-    planner knows the even split only)."""
+    the trainer refuses (its own checks name it after this)."""
     from experiments.plan import costs_of
 
     device = device or _device(cfg)
-    if cfg.parallel.pp > 1 and cfg.parallel.pp_layers is not None:
-        return None
     rec = record_of(cfg, world)
     profile = profile_of(cfg, device)
     try:
@@ -208,8 +206,6 @@ def preflight(cfg, world: int) -> tuple[LayoutRecord, Prediction] | None:
     device = _device(cfg)
     got = predict_config(cfg, world, device)
     if got is None:
-        if cfg.parallel.pp > 1 and cfg.parallel.pp_layers is not None and _rank() == 0:
-            print("preflight: skipped, parallel.pp_layers is set (the planner predicts the even split)", flush=True)
         return None
     rec, p = got
     budget, what = memory_budget(cfg, device, world)
@@ -239,11 +235,12 @@ def preflight(cfg, world: int) -> tuple[LayoutRecord, Prediction] | None:
 def resolve_auto(cfg, world: int, fixed: dict | None = None) -> tuple[LayoutRecord, Prediction, int]:
     """``parallel.auto``: set the layout keys of ``cfg`` (in place) to the fastest layout of
     ``world`` ranks predicted to fit the device's capacity, holding ``fixed`` (``LayoutRecord``
-    fields); returns it, its prediction and the number of layouts ranked."""
+    fields; a ``parallel.pp_layers`` in the config is held too); returns it, its prediction and the
+    number of layouts ranked."""
     from experiments.plan import plan_layouts
 
     if cfg.parallel.pp_layers is not None:
-        raise ValueError("parallel.auto=true plans the even split of layers: leave parallel.pp_layers null")
+        fixed = {**(fixed or {}), "pp_layers": [int(k) for k in cfg.parallel.pp_layers]}
     device = _device(cfg)
     profile = profile_of(cfg, device)
     budget, what = memory_budget(cfg, device, world, capacity=True)
@@ -263,6 +260,8 @@ def resolve_auto(cfg, world: int, fixed: dict | None = None) -> tuple[LayoutReco
             continue  # pp=1: the key is unused
         if field == "zero_offload" and isinstance(cfg[section][key], str):
             value = "cpu" if value else "none"
+        if field == "pp_layers" and value is not None:
+            value = list(value)
         cfg[section][key] = value
     return rec, p, len(ranked)
 

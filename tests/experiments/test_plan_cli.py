@@ -63,6 +63,28 @@ def test_a_layout_key_given_is_held(capsys, tmp_path):
     assert "held: {'pp': 2, 'grad_accum': 3}" in stdout
 
 
+def test_a_held_split_is_the_only_cut_and_auto_cuts_are_listed_beside_the_even(capsys, tmp_path):
+    """``parallel.pp_layers`` given: every layout listed is a pipeline of that many stages, cut that
+    way. Not given: each pipeline cut by cost sits beside its even twin (where it gains)."""
+    out = tmp_path / "held.json"
+    rc, stdout, _ = _main(
+        capsys, *MODEL, "parallel.pp_layers=[1,3]", "plan.world=2", "plan.cluster=cpu_2core", f"plan.out={out}"
+    )
+    assert rc == 0 and "held: {'pp_layers': [1, 3]}" in stdout
+    rows = json.loads(out.read_text())
+    assert rows and all({"parallel.pp_layers=[1,3]", "parallel.pp=2"} <= set(r["overrides"]) for r in rows)
+    assert cli.fixed_keys(["parallel.pp_layers=[2,1,1,2]", "parallel.pp_layers=null"]) == {"pp_layers": [2, 1, 1, 2]}
+    with pytest.raises(ValueError, match=r"parallel.pp_layers='\[a\]' is invalid: expected a list of integers"):
+        cli.fixed_keys(["parallel.pp_layers=[a]"])
+    # the trainer's default model on 2 ranks: zbv's even cut leaves rank 1 three blocks of four
+    cfg = cli.compose(["model=small", "train.batch_size=16", "train.seq_len=128"])
+    profile = zplan.load_profile("cpu_2core")
+    _, ranked = cli.plan_layouts(cfg, 2, profile, {"pp_schedule": "zbv", "pp_microbatches": 4, "zero_stage": 0})
+    labels = {r.label(): p.step_s for r, p in ranked if not r.checkpoint_activations and r.grad_accum == 1}
+    even, cut = labels["pp2 zbvx2 m4 dp1 ep1 z0"], labels["pp2 zbvx2 m4 layers 2/1/1/2 dp1 ep1 z0"]
+    assert cut < 0.8 * even
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -4,6 +4,7 @@ summary.json (``experiments.training.peak_memory``) against planted allocations.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -29,6 +30,7 @@ def _reference_ranking(cfg, world):
     profile = profile_of(cfg, CPU)
     costs = costs_of(cfg, profile)
     recs = zplan.enumerate(costs, world=world, batch_size=int(cfg.train.batch_size), mixed_precision="fp32")
+    recs = zplan.with_balanced(recs, costs, profile)  # each pipeline also cut by its layers' costs
     ranked = [(r, zplan.predict(r, costs, profile)) for r in recs]
     ranked.sort(key=lambda rp: (rp[1].step_s, rp[1].memory_bytes))
     return ranked
@@ -136,8 +138,39 @@ def test_auto_holds_the_keys_given():
     assert n == len(ranked) and rec == ranked[0][0]
     # the config now asks for it
     assert (cfg.parallel.zero_stage, cfg.model.checkpoint_activations, cfg.parallel.pp) == (3, True, rec.pp)
-    with pytest.raises(ValueError, match="leave parallel.pp_layers null"):
-        resolve_auto(cfg_of(*BASE, "parallel=auto", "parallel.pp_layers=[2,2]"), 2)
+    # a split in the config is held: the fastest pipeline of that many stages, cut that way
+    cfg = cfg_of(*BASE, "parallel=auto", "parallel.pp_layers=[1,3]")
+    rec, _, n = resolve_auto(cfg, 2)
+    profile = profile_of(cfg, CPU)
+    costs = costs_of(cfg, profile)
+    held = [
+        dataclasses.replace(r, pp_layers=(1, 3))
+        for r, _ in _reference_ranking(cfg_of(*BASE), 2)
+        if r.pp == 2 and r.pp_virtual_stages == 1 and r.pp_layers is None
+    ]
+    predicted = {r: zplan.predict(r, costs, profile) for r in held}
+    expect = min(held, key=lambda r: (predicted[r].step_s, predicted[r].memory_bytes))
+    assert rec == expect and n == len(held) and "parallel.pp_layers=[1,3]" in rec.overrides()
+    assert list(cfg.parallel.pp_layers) == [1, 3] and cfg.parallel.pp == 2
+
+
+def test_a_split_given_is_predicted_as_given_and_refused_with_its_numbers(monkeypatch):
+    """``parallel.pp_layers`` is the planner's to predict (each stage its own layers), so the
+    preflight judges an uneven split too, before anything is built."""
+    from experiments.training.preflight import predict_config, preflight
+
+    split = [*BASE, "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2"]
+    cfg = cfg_of(*split, "parallel.pp_layers=[1,3]")
+    rec, p = predict_config(cfg, 2, CPU)
+    profile = profile_of(cfg, CPU)
+    costs = costs_of(cfg, profile)
+    assert rec.pp_layers == (1, 3) and p == zplan.predict(rec, costs, profile)
+    even = zplan.predict(dataclasses.replace(rec, pp_layers=None), costs, profile)
+    assert p.memory_bytes != even.memory_bytes  # rank 1 holds both blocks and the head
+    budget = int(_need(p)) - 1
+    _nothing_may_be_built(monkeypatch)
+    with pytest.raises(PreflightError, match=f"predicted to need {p.memory_bytes:,.0f} bytes"):
+        preflight(cfg_of(*split, "parallel.pp_layers=[1,3]", f"train.preflight_budget_bytes={budget}"), 2)
 
 
 def _auto_rank(rank, world, overrides, run_dir):

@@ -8,6 +8,8 @@ memory per rank and step time on a machine profile (``predict``), without runnin
     for rec in plan.enumerate(costs, world=64, batch_size=256):
         p = plan.predict(rec, costs, profile)      # Prediction(memory_bytes, memory_parts, step_s, fits, ...)
         print(rec.overrides(), p.memory_bytes, p.step_s, p.fits)
+    # a pipeline's layers cut by their costs on this profile (parallel.pp_layers), where that beats the even split
+    cut = plan.balance(rec, costs, profile)
 
 ``zero`` never imports ``moe``: the costs are the generic ``BlockCost`` records defined here, one
 per pipeline layer, which ``moe.costs`` builds from a ``TransformerConfig``.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from .cost import PARTS, BlockCost, MatMul, ModelCosts, Prediction, predict
 from .enumerate import KEYS, ZEROPP, LayoutRecord, enumerate_layouts, layout_problem
 from .profile import AlphaBeta, Profile, available_profiles, fit_alpha_beta, load_profile, save_profile
+from .split import balance, balanced_split, with_balanced
 from .wire import comm_bytes
 
 
@@ -54,6 +57,8 @@ __all__ = [
     "Prediction",
     "Profile",
     "available_profiles",
+    "balance",
+    "balanced_split",
     "comm_bytes",
     "enumerate",
     "enumerate_layouts",
@@ -63,4 +68,5 @@ __all__ = [
     "predict",
     "rank",
     "save_profile",
+    "with_balanced",
 ]

@@ -25,6 +25,7 @@ KEYS = {
     "pp_schedule": "parallel.pp_schedule",
     "pp_virtual_stages": "parallel.pp_virtual_stages",
     "pp_microbatches": "parallel.pp_microbatches",
+    "pp_layers": "parallel.pp_layers",
     "checkpoint_activations": "model.checkpoint_activations",
     "grad_accum": "train.grad_accum",
     "zero_hpz": "parallel.zero_hpz",
@@ -67,6 +68,8 @@ class LayoutRecord:
     zero_qgz: bool = False
     zero_qgz_bits: int = 4
     zero_quant_block: int = 256  # parallel.zero_quant_block: elements per fp32 scale (qwZ, qgZ)
+    # layers of each pipeline stage in order (parallel.pp_layers); None: the even split
+    pp_layers: tuple[int, ...] | None = None
 
     @property
     def zeropp(self) -> bool:
@@ -99,6 +102,7 @@ class LayoutRecord:
             pp_schedule=self.pp_schedule,
             pp_microbatches=self.pp_microbatches,
             pp_virtual_stages=self.pp_virtual_stages,
+            pp_layers=None if self.pp_layers is None else list(self.pp_layers),
         )
 
     def overrides(self) -> list[str]:
@@ -107,11 +111,13 @@ class LayoutRecord:
         names = ["pp", "ep", "zero_stage", "zero_offload"]
         if self.pp > 1:
             names += ["pp_schedule", "pp_virtual_stages", "pp_microbatches"]
+            if self.pp_layers is not None:  # the even split is the trainer's default
+                names.append("pp_layers")
         names += ["checkpoint_activations", "grad_accum"]
         if self.zeropp:  # the ZeRO++ keys only where one is on (off is the trainer's default)
             names += [*ZEROPP, *(["zero_qgz_bits"] if self.zero_qgz else [])]
         # zero_offload: the trainer's none | cpu (the planner does not model nvme)
-        value = {"zero_offload": lambda v: "cpu" if v else "none"}
+        value = {"zero_offload": lambda v: "cpu" if v else "none", "pp_layers": lambda v: f"[{','.join(map(str, v))}]"}
         return [f"{KEYS[k]}={value.get(k, _fmt)(getattr(self, k))}" for k in names]
 
     def label(self) -> str:
@@ -119,6 +125,8 @@ class LayoutRecord:
         if self.pp > 1:
             v = f"x{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
             parts.append(f"{self.pp_schedule}{v} m{self.pp_microbatches}")
+            if self.pp_layers is not None:
+                parts.append("layers " + "/".join(map(str, self.pp_layers)))
         parts.append(f"dp{self.dp} ep{self.ep}")
         parts.append(f"z{self.zero_stage}{'+off' if self.zero_offload else ''}")
         if self.grad_accum > 1:
@@ -222,7 +230,9 @@ def enumerate_layouts(
     blocks, the head), ``world`` ranks and ``batch_size`` global sequences, in a fixed order.
     ``num_experts``: the routed experts of the MoE layers (None: a dense model, ep=1); ``tied``:
     the two layers that share weights (tied embeddings); ``fixed``: keys (``LayoutRecord`` field
-    names) held at one value, e.g. ``{"pp": 16, "ep": 64}``; ``max_virtual``: the most virtual
+    names) held at one value, e.g. ``{"pp": 16, "ep": 64}`` (``pp_layers``: only the pipelines of
+    that many stages, cut that way; unheld, every pipeline takes the even split, and
+    ``zero.plan.balance`` adds the cut its layers' costs ask for); ``max_virtual``: the most virtual
     stages per rank tried for the interleaved schedules (default: as many as the layers allow).
     ``zeropp``: also every valid combination of ZeRO++'s hpZ, qwZ and qgZ (int4) for ZeRO-1 to 3,
     with ``node_size`` ranks per node (needed: hpZ and qgZ need each group evenly on its nodes);
@@ -236,12 +246,20 @@ def enumerate_layouts(
     unknown = sorted(set(fixed) - set(KEYS))
     if unknown:
         raise ValueError(f"fixed keys {unknown} are not layout keys; valid: {sorted(KEYS)}")
+    # a split held (parallel.pp_layers): the pipelines of that many stages, cut that way
+    split = fixed.pop("pp_layers", None)
+    if split is not None:
+        split = tuple(split)
+        if not split or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in split):
+            raise ValueError(f"pp_layers={list(split)} is invalid: expected a list of positive integers")
 
     def allowed(key, values):
         return [v for v in values if key not in fixed or fixed[key] == v]
 
     out = []
     for pp in allowed("pp", _divisors(world)):
+        if split is not None and pp == 1:
+            continue
         dp = world // pp
         eps = [e for e in _divisors(dp) if num_experts is not None and num_experts % e == 0] or [1]
         pipelines: list[tuple] = [(None, 1, 1)]
@@ -268,6 +286,7 @@ def enumerate_layouts(
                         pp_microbatches=m,
                         grad_accum=ga,
                         mixed_precision=mixed_precision,
+                        pp_layers=split if pp > 1 else None,
                     )
                     if layout_problem(base, num_layers, num_experts, tied) is not None:
                         continue
