@@ -10,9 +10,12 @@ The first form composes the trainer's own config (``conf/train.yaml`` and the sa
 ``precision`` and ``parallel.zero_mixed_precision`` are the run's. A layout key given explicitly
 (``parallel.pp=2``, ``parallel.ep=2``, ``parallel.zero_stage=3``, ``parallel.zero_offload=true``,
 ``parallel.pp_schedule=...``, ``parallel.pp_virtual_stages=...``, ``parallel.pp_microbatches=...``,
-``model.checkpoint_activations=true``, ``train.grad_accum=...``) is held at that value; every other
-one is searched. It prints a table (fastest first: step time, tokens/s, memory per rank, fits
-or not against the profile's device memory) and the fastest layout that fits, writes the JSON list
+``model.checkpoint_activations=true``, ``train.grad_accum=...``, ``parallel.pp_layers=[...]``) is
+held at that value; every other one is searched. Each pipeline is listed with the trainer's even
+split of layers and, where it beats that, with its layers cut by cost (``parallel.pp_layers``,
+``zero.plan.split``: the busiest rank's work per micro-batch least). It prints a table (fastest
+first: step time, tokens/s, memory per rank, fits or not against the profile's device memory) and
+the fastest layout that fits, writes the JSON list
 ``[{overrides, memory_bytes, memory_parts, step_s, fits, ...}]`` fastest first to ``plan.out``, and
 a chart of memory and time per layout beside it (``plan.png``; needs matplotlib, the ``plan`` extra).
 
