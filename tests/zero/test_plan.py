@@ -445,10 +445,32 @@ def test_alpha_beta_time_is_hockneys_ring_model():
     assert ab.time("all_to_all", 1e9, 1) == 0.0
 
 
+def _zero3_by_hand(c, costs, waits_hidden: bool) -> float:
+    """A 2-rank ZeRO-3 step summed by hand: each layer's compute, its gathers (forward, backward)
+    and its reduction one after the other, the optimizer, the weights' gather, the norm's
+    all-reduce; ``waits_hidden``: the gathers are all waits (β infinite), each hidden behind the
+    layer computing beside it but the first of each pass."""
+    layers = list(costs.blocks)
+    comp = [c.compute(b) for b in layers]
+    moe = [c.moe_comm(b) for b in layers]
+    f = sum(x["F"] for x in comp) + sum(x["F"] for x in moe)
+    bwd = sum(x["I"] + x["W"] for x in comp) + sum(x["I"] for x in moe)
+    if waits_hidden:
+        gathers = c.gather(layers[0]) + c.gather_again(layers[-1])
+    else:
+        gathers = sum(c.gather(b) for b in layers) + sum(c.gather_again(b) for b in layers)
+    red = sum(c.reduce(b) for b in layers)
+    norm = c.coll("all_reduce", 8, [0, 1])
+    return f + bwd + gathers + red + c.optimizer(layers) + c.post_step_gather(layers) + norm
+
+
 def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     """With every core computing (2 ranks, 2 slots) a ZeRO-3 step is, by hand, each layer's
-    compute and each gather and reduction one after the other; with a spare core (or a GPU: no
-    slots) the gathers and reductions hide behind compute, so the step is shorter."""
+    compute and each gather's copies and each reduction one after the other: gathers of bytes
+    alone (α = 0) add in full, and gathers that are waits alone (β infinite: gloo's thread asleep
+    while the peer comes) hide behind the layer computing beside them, as the prefetch runs them,
+    but the first of each pass. With a spare core (or a GPU: no slots) the gathers and reductions
+    hide behind compute, so the step is shorter."""
     from zero.plan.terms import _Costing
 
     costs = setting.costs
@@ -457,18 +479,22 @@ def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     c = _Costing(r, costs, shared, None)
     assert not c.overlap and _Costing(r, costs, _profile(compute_slots=3), None).overlap
     assert _Costing(r, costs, _profile(), None).overlap  # no slots: a GPU's copy engines and network
-    layers = [b for b in costs.blocks]
-    comp = [c.compute(b) for b in layers]
-    moe = [c.moe_comm(b) for b in layers]
-    f = sum(x["F"] for x in comp) + sum(x["F"] for x in moe)
-    bwd = sum(x["I"] + x["W"] for x in comp) + sum(x["I"] for x in moe)
-    gathers = sum(c.gather(b) for b in layers) + sum(c.gather_again(b) for b in layers)
-    red = sum(c.reduce(b) for b in layers)
-    norm = c.coll("all_reduce", 8, [0, 1])
-    by_hand = f + bwd + gathers + red + c.optimizer(layers) + c.post_step_gather(layers) + norm
-    assert zplan.predict(r, costs, shared).step_s == pytest.approx(by_hand, rel=1e-9)
+    copies = {op: AlphaBeta(0.0, 1e9) for op in COLLECTIVES}
+    only_bytes = _profile(compute_slots=2, collectives={"intra": copies, "inter": copies})
+    by_hand = _zero3_by_hand(_Costing(r, costs, only_bytes, None), costs, waits_hidden=False)
+    assert zplan.predict(r, costs, only_bytes).step_s == pytest.approx(by_hand, rel=1e-9)
+    waits = {op: AlphaBeta(1e-6, math.inf) for op in COLLECTIVES}
+    only_waits = _profile(compute_slots=2, collectives={"intra": waits, "inter": waits})
+    cw = _Costing(r, costs, only_waits, None)
+    # every wait shorter than any layer's compute: each hides whole behind the one beside it
+    assert max(cw.gather(b) for b in costs.blocks) < min(cw.compute(b)["F"] for b in costs.blocks)
+    by_hand = _zero3_by_hand(cw, costs, waits_hidden=True)
+    assert zplan.predict(r, costs, only_waits).step_s == pytest.approx(by_hand, rel=1e-9)
+    # the shipped-like mix of both: more than the copies alone, less than everything in a row
+    step = zplan.predict(r, costs, shared).step_s
+    assert _zero3_by_hand(c, costs, waits_hidden=False) > step
     spare = _profile(compute_slots=3)
-    assert zplan.predict(r, costs, spare).step_s < by_hand
+    assert zplan.predict(r, costs, spare).step_s < step
 
 
 def test_the_busiest_expert_rank_sets_the_pace():

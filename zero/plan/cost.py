@@ -103,6 +103,15 @@ def _stream(compute: list[float], comm: list[float], overlap: bool = True) -> fl
     return t
 
 
+def _beside(compute: list[float], comm: list[float], waits: list[float], overlap: bool) -> float:
+    """``_stream`` of collectives that run beside the compute. Where a core is spare (``overlap``)
+    they run on it; where none is, a collective's copies take the computing cores' time beside
+    its layer's and only its waits (``waits``: its α steps, gloo's thread asleep) overlap."""
+    if overlap:
+        return _stream(compute, comm, True)
+    return _stream([c + t - w for c, t, w in zip(compute, comm, waits)], waits, True)
+
+
 def _overlapped_reduction(compute_rev: list[float], reduce_rev: list[float]) -> float:
     """A backward over layers (in backward order) whose reductions start as each layer's gradients
     are complete, one at a time: the end of the last reduction."""
@@ -131,7 +140,7 @@ def predict(
     stages = [(0, L)] if plan is None else list(plan.ranges)
 
     # per layer: passes, communication, memory per token
-    comp, moe, gath, red, gath2 = _layer_terms(cst)
+    comp, moe, gath, red, gath2, gath_wait, gath2_wait = _layer_terms(cst)
 
     def layer_f(j):
         return comp[j]["F"] + moe[j]["F"]
@@ -284,13 +293,14 @@ def predict(
         f_c = [layer_f(j) for j in layers]
         b_c = [layer_i(j) + layer_w(j) for j in layers][::-1]
         g, g2 = [gath[j] for j in layers], [gath2[j] for j in layers]
+        gw, g2w = [gath_wait[j] for j in layers], [gath2_wait[j] for j in layers]
         z3 = rec.zero_stage == 3
         # the step's first forward gathers from the primary partition; the backwards and the later
         # forwards gather again (under hpZ from the secondary one, inside the node)
         ov = cst.overlap
-        fwd = _stream(f_c, g, ov) if z3 else sum(f_c)
-        fwd_again = _stream(f_c, g2, ov) if z3 else sum(f_c)
-        bwd = _stream(b_c, g2[::-1], ov) if z3 else sum(b_c)
+        fwd = _beside(f_c, g, gw, ov) if z3 else sum(f_c)
+        fwd_again = _beside(f_c, g2, g2w, ov) if z3 else sum(f_c)
+        bwd = _beside(b_c, g2[::-1], g2w[::-1], ov) if z3 else sum(b_c)
         # the last micro-batch's backward overlaps each layer's reduction with the layers before it
         r_rev = [red[j] for j in layers][::-1]
         if rec.dp == 1:
@@ -330,8 +340,11 @@ def predict(
             # the step's first forward of each stage gathers its blocks (kept until the step)
             first = {
                 "F": {
-                    s: _stream(
-                        [layer_f(j) for j in range(*stages[s])], [gath[j] for j in range(*stages[s])], cst.overlap
+                    s: _beside(
+                        [layer_f(j) for j in range(*stages[s])],
+                        [gath[j] for j in range(*stages[s])],
+                        [gath_wait[j] for j in range(*stages[s])],
+                        cst.overlap,
                     )
                     for s in range(n_st)
                 }

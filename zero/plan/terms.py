@@ -5,10 +5,11 @@ them across the layouts of one enumeration. ``zero.plan.cost.predict`` combines 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .enumerate import LayoutRecord
-from .profile import Profile, bus_factor, steps
+from .profile import AlphaBeta, Profile, bus_factor, steps
 from .records import BlockCost, ModelCosts
 
 
@@ -343,6 +344,24 @@ class _Costing:
 _TERMS: dict = {}
 
 
+def latency_profile(profile: Profile) -> Profile:
+    """``profile`` with every link's β and the memory bandwidth infinite: a collective's time on it
+    is its α steps alone (its waits), where the rest of its time is bytes the cores copy."""
+    hit = _LATENCY.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    inf = float("inf")
+    links = {t: {op: AlphaBeta(ab.alpha, inf) for op, ab in ops.items()} for t, ops in profile.collectives.items()}
+    out = dataclasses.replace(profile, collectives=links, memory_bandwidth=inf)
+    if len(_LATENCY) > 64:
+        _LATENCY.clear()
+    _LATENCY[id(profile)] = (profile, out)
+    return out
+
+
+_LATENCY: dict = {}
+
+
 def _layer_terms(cst: _Costing):
     rec = cst.rec
     key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.micro_rows, rec.zero_stage)
@@ -352,12 +371,17 @@ def _layer_terms(cst: _Costing):
     if hit is not None and hit[0] is cst.costs and hit[1] is cst.profile:
         return hit[2]
     blocks = cst.costs.blocks
+    # the waits of ZeRO-3's prefetched gathers: where no core is spare their copies take the
+    # cores' time, their waits do not (predict)
+    lat = _Costing(rec, cst.costs, latency_profile(cst.profile), cst.skew, cst.time_skew)
     terms = (
         [cst.compute(b) for b in blocks],
         [cst.moe_comm(b) for b in blocks],
         [cst.gather(b) for b in blocks],
         [cst.reduce(b) for b in blocks],
         [cst.gather_again(b) for b in blocks],
+        [lat.gather(b) for b in blocks],
+        [lat.gather_again(b) for b in blocks],
     )
     if len(_TERMS) > 4096:
         _TERMS.clear()
