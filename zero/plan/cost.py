@@ -328,6 +328,10 @@ def predict(
             # a split backward's two passes as the profile measured them, each a share of the whole
             # (their sum above 1: the weight pass walks the graph again)
             dur["I"], dur["W"] = ([share * b for b in dur["B"]] for share in shares)
+        if plan.splits_backward:
+            # torch skips the first stage's input pass (its input, the tokens, takes no gradient)
+            # and runs that stage's whole backward in its weight pass
+            dur["I"][0], dur["W"][0] = 0.0, dur["B"][0]
         stage_rank = [plan.rank_of(s) for s in range(n_st)]
         latency = []
         for s in range(n_st):
