@@ -11,9 +11,11 @@ per micro-batch (each layer's forward, backward, synchronous MoE communication a
 checkpointing, recomputation, at this layout's micro-batch on the profile) is the least, ties
 broken by the costliest stage (the fill and drain); ``balance`` returns the layout with that split
 when it beats the even one by at least ``GAIN``. Up to ``EXHAUSTIVE`` ways to cut, every one is
-tried; past that (a 63-layer model over 32 stages has ~10^17), the greedy cut of the least
-bottleneck stage and the even split each move one boundary at a time while that helps, and the
-better of the two is kept. The planner predicts the layout with its split like any other (the
+tried; past that (a 63-layer model over 32 stages has ~10^17), a steepest descent moves one
+layer's worth of cut between any two stages while the ranks' loads (busiest first) drop, from the
+even cut, the greedy cut of the least costly bottleneck stage and that cut made from the last
+layer back, and the best is kept: never worse than the even cut, not always the best one
+(docs/design.md). The planner predicts the layout with its split like any other (the
 schedule simulation takes each stage's own durations), so whether the cut is faster is the
 prediction's to say, and the ranking lists both.
 """
