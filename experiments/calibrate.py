@@ -349,6 +349,41 @@ def measure_forward_elementwise(device, rates: dict, best: bool, quick: bool = F
     return {"forward_elementwise_bandwidth": table}
 
 
+def time_split_backward(blocks, h0, grad, cos, sin, repeats: int) -> tuple[list, list, list]:
+    """Seconds of ``repeats`` backwards of ``blocks`` (run in order on ``h0``) each way, through
+    torch.distributed.pipelining's own functions: ``(whole, input pass, weight pass)``, one
+    ``stage_backward``, then after another forward ``stage_backward_input`` and
+    ``stage_backward_weight``."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    params = list(torch.nn.ModuleList(blocks).parameters())
+
+    def forward():
+        x = h0.clone().requires_grad_()
+        y = x
+        for b in blocks:
+            y = b(y, cos, sin)
+        return x, y
+
+    whole, inputs, weights = [], [], []
+    for _ in range(repeats):
+        x, y = forward()
+        t = time.perf_counter()
+        stage_backward(y, grad, [x])
+        whole.append(time.perf_counter() - t)
+        x, y = forward()
+        t = time.perf_counter()
+        _, groups = stage_backward_input([y], [grad], [x], iter(params))
+        t1 = time.perf_counter()
+        stage_backward_weight(iter(params), groups)
+        inputs.append(t1 - t)
+        weights.append(time.perf_counter() - t1)
+        for p in params:
+            p.grad = None
+    return whole, inputs, weights
+
+
 def measure_split_backward(device, best: bool, quick: bool = False) -> dict:
     """``{"split_input_share": [[rows, share], ...], "split_weight_share": [...]}``: the
     zero-bubble schedules' split backward against a whole one. Two reference MoE blocks
@@ -360,7 +395,6 @@ def measure_split_backward(device, best: bool, quick: bool = False) -> dict:
     import dataclasses
 
     import torch
-    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
     from moe.model import Transformer
 
@@ -368,7 +402,6 @@ def measure_split_backward(device, best: bool, quick: bool = False) -> dict:
     torch.manual_seed(0)
     model = Transformer(cfg).to(device)
     blocks = list(model.blocks)
-    params = [p for b in blocks for p in b.parameters()]
     L = cfg.max_seq_len
     cos, sin = model.rope_cos[:L], model.rope_sin[:L]
     pick = min if best else statistics.median
@@ -376,29 +409,7 @@ def measure_split_backward(device, best: bool, quick: bool = False) -> dict:
     for rows in ELEMENTWISE_ROWS_CPU[::2] if quick else ELEMENTWISE_ROWS_CPU:
         h0 = torch.randn(rows // L, L, cfg.d_model, device=device)
         grad = torch.randn_like(h0)
-
-        def forward():
-            x = h0.clone().requires_grad_()
-            y = x
-            for b in blocks:
-                y = b(y, cos, sin)
-            return x, y
-
-        whole, inp, wt = [], [], []
-        for _ in range(7 if rows <= 4096 else 5):
-            x, y = forward()
-            t = time.perf_counter()
-            stage_backward(y, grad, [x])
-            whole.append(time.perf_counter() - t)
-            x, y = forward()
-            t = time.perf_counter()
-            _, groups = stage_backward_input([y], [grad], [x], iter(params))
-            t1 = time.perf_counter()
-            stage_backward_weight(iter(params), groups)
-            inp.append(t1 - t)
-            wt.append(time.perf_counter() - t1)
-            for p in params:
-                p.grad = None
+        whole, inp, wt = time_split_backward(blocks, h0, grad, cos, sin, 7 if rows <= 4096 else 5)
         w = pick(whole[2:])  # two warm-ups: the kernel's pool, the autograd engine
         inputs.append([float(rows), pick(inp[2:]) / w])
         weights.append([float(rows), pick(wt[2:]) / w])

@@ -425,11 +425,11 @@ def part_s(steps: int = 10) -> dict:
     widths 256 and 512) on one micro-batch of 4 x 128 tokens, torch.distributed.pipelining's
     ``stage_backward`` against its ``stage_backward_input`` then ``stage_backward_weight`` (the
     median of ``steps`` after two).
-    The planner takes the two passes to cost the whole backward's time between them."""
+    The planner takes the measured shares where the profile has them (docs/design.md)."""
     import torch
-    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
     import routing_kernels as rk
+    from experiments.calibrate import time_split_backward
     from experiments.plan import _model_config, compose
     from moe.model import Transformer
 
@@ -453,35 +453,12 @@ def part_s(steps: int = 10) -> dict:
         ("2 dense blocks at width 256", dense(256), None),
         ("2 dense blocks at width 512", dense(512), None),
     ):
-        blocks = model.blocks[:2]
-        params = list(torch.nn.ModuleList(blocks).parameters())
+        blocks = list(model.blocks[:2])
         width = model.cfg.d_model
         cos, sin = model.rope_cos[:128], model.rope_sin[:128]
         h0, grad = torch.randn(4, 128, width), torch.randn(4, 128, width)
-
-        def forward():
-            x = h0.clone().requires_grad_()
-            y = x
-            for b in blocks:
-                y = b(y, cos, sin)
-            return x, y
-
-        whole, inputs, weights = [], [], []
         with rk.use_expert_backend(backend) if backend else contextlib.nullcontext():
-            for _ in range(steps + 2):
-                x, y = forward()
-                t = time.perf_counter()
-                stage_backward(y, grad, [x])
-                whole.append(time.perf_counter() - t)
-                x, y = forward()
-                t = time.perf_counter()
-                _, groups = stage_backward_input([y], [grad], [x], iter(params))
-                t1 = time.perf_counter()
-                stage_backward_weight(iter(params), groups)
-                inputs.append(t1 - t)
-                weights.append(time.perf_counter() - t1)
-                for p in params:
-                    p.grad = None
+            whole, inputs, weights = time_split_backward(blocks, h0, grad, cos, sin, steps + 2)
         w, i, wt = (statistics.median(v[2:]) for v in (whole, inputs, weights))
         out[label] = dict(whole_s=w, input_s=i, weight_s=wt)
         print(f"| {label} | {w * 1e3:.2f} | {i * 1e3:.2f} | {wt * 1e3:.2f} | {(i + wt) / w:.2f}x |")
