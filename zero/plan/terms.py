@@ -371,17 +371,22 @@ def _layer_terms(cst: _Costing):
     if hit is not None and hit[0] is cst.costs and hit[1] is cst.profile:
         return hit[2]
     blocks = cst.costs.blocks
+    gath, gath2 = [cst.gather(b) for b in blocks], [cst.gather_again(b) for b in blocks]
     # the waits of ZeRO-3's prefetched gathers: where no core is spare their copies take the
-    # cores' time, their waits do not (predict)
-    lat = _Costing(rec, cst.costs, latency_profile(cst.profile), cst.skew, cst.time_skew)
+    # cores' time, their waits do not (predict); where one is, the waits are not read
+    if cst.overlap or rec.zero_stage != 3:
+        waits, waits2 = gath, gath2
+    else:
+        lat = _Costing(rec, cst.costs, latency_profile(cst.profile), cst.skew, cst.time_skew)
+        waits, waits2 = [lat.gather(b) for b in blocks], [lat.gather_again(b) for b in blocks]
     terms = (
         [cst.compute(b) for b in blocks],
         [cst.moe_comm(b) for b in blocks],
-        [cst.gather(b) for b in blocks],
+        gath,
         [cst.reduce(b) for b in blocks],
-        [cst.gather_again(b) for b in blocks],
-        [lat.gather(b) for b in blocks],
-        [lat.gather_again(b) for b in blocks],
+        gath2,
+        waits,
+        waits2,
     )
     if len(_TERMS) > 4096:
         _TERMS.clear()
