@@ -497,6 +497,60 @@ def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     assert zplan.predict(r, costs, spare).step_s < step
 
 
+def _gpipe2_by_hand(f, b, h_work, h_wait, m):
+    """A 2-rank GPipe step walked by hand: rank 0 runs m forwards then m backwards of stage 0, rank 1
+    the same of stage 1; an action starts once its rank is free and its input has come across
+    (``h_wait`` after the other rank's action ends); ``h_work`` is the transfer's time added to both
+    the sending and the receiving action."""
+    f0, f1 = f[0] + h_work, f[1] + h_work
+    b0, b1 = b[0] + h_work, b[1] + h_work
+    r0 = r1 = 0.0
+    out0 = []
+    for _ in range(m):
+        r0 += f0
+        out0.append(r0)
+    grads = []
+    for i in range(m):
+        r1 = max(r1, out0[i] + h_wait) + f1
+    for _ in range(m):
+        r1 += b1
+        grads.append(r1)
+    for i in range(m):
+        r0 = max(r0, grads[i] + h_wait) + b0
+    return max(r0, r1)
+
+
+def test_a_pipelines_hand_overs_are_work_on_both_ranks_when_every_core_computes(setting, monkeypatch):
+    """Two pipeline ranks on two computing cores: gloo's thread takes each transfer's time from the
+    sending rank and from the receiving one (timed on a 2-core machine, a consumer paced by a
+    producer that sends after each 8 ms of products took 0.7-1 ms more per item than either alone),
+    so each hand-over's whole time adds to both ranks' actions and no wait is left between them.
+    With a core to spare it is a wait between the ranks that costs neither. Both against a GPipe
+    step walked by hand from the stages' own durations."""
+    from zero.plan import cost
+
+    seen = []
+    real = cost.simulate_plan
+    monkeypatch.setattr(
+        cost, "simulate_plan", lambda plan, ranks, dur, *a: seen.append(dur) or real(plan, ranks, dur, *a)
+    )
+    m = 4
+    rec = zplan.LayoutRecord(world=2, batch_size=BATCH, pp=2, pp_schedule="gpipe", pp_microbatches=m)
+    h = 3e-3  # every transfer's time, whatever its size: only α
+    hand = {op: AlphaBeta(h, math.inf) for op in COLLECTIVES}
+    free = {op: AlphaBeta(0.0, math.inf) for op in COLLECTIVES}
+    for slots, busy in ((2, True), (3, False)):
+        zplan.predict(rec, setting.costs, _profile(compute_slots=slots, collectives={"intra": free, "inter": free}))
+        own = seen[-1]
+        timed = _profile(compute_slots=slots, collectives={"intra": hand, "inter": hand})
+        pred = zplan.predict(rec, setting.costs, timed)
+        by_hand = _gpipe2_by_hand(own["F"], own["B"], h if busy else 0.0, 0.0 if busy else h, m)
+        assert pred.time_parts["pipeline"] == pytest.approx(by_hand, rel=1e-12), slots
+        # each rank pays 2m transfers (every forward and every backward crosses once) on busy cores
+        alone = max(m * (own["F"][s] + own["B"][s]) for s in range(2))
+        assert pred.time_parts["pipeline"] > alone + (2 * m * h if busy else 0.0)
+
+
 def test_the_busiest_expert_rank_sets_the_pace():
     """time_skew s: the busiest ep rank's experts take s times the mean rows (their matmuls' rows
     and the All-to-All's bytes), at most all of the group's; without ep it changes nothing. By hand

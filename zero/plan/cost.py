@@ -333,11 +333,24 @@ def predict(
             # and runs that stage's whole backward in its weight pass
             dur["I"][0], dur["W"][0] = 0.0, dur["B"][0]
         stage_rank = [plan.rank_of(s) for s in range(n_st)]
-        latency = []
-        for s in range(n_st):
-            lo, hi = stages[s]
-            a, b = stage_rank[s], stage_rank[(s + 1) % n_st]
-            latency.append(cst.p2p(T * blocks[hi - 1].boundary_bytes, a * rec.dp, b * rec.dp) if a != b else 0.0)
+        # the hand-over from stage s to s + 1 (an activation forward, its gradient back), where
+        # the two stages sit on different ranks (a V-shaped rank's two stages hand over in memory)
+        hand = [
+            cst.p2p(T * blocks[stages[s][1] - 1].boundary_bytes, stage_rank[s] * rec.dp, stage_rank[s + 1] * rec.dp)
+            if s + 1 < n_st and stage_rank[s] != stage_rank[s + 1]
+            else 0.0
+            for s in range(n_st)
+        ]
+        if cst.overlap:  # something else moves the bytes: the hand-over is a wait between the ranks
+            latency = hand
+        else:
+            # every core computes: a transfer is work on both ranks, the sender's action and the
+            # receiver's, each paying its whole time, and nothing is left to wait for
+            latency = [0.0] * n_st
+            p2p_f = [hand[s] + (hand[s - 1] if s else 0.0) for s in range(n_st)]
+            # (the gradient's receive and send belong to the input pass, or the whole backward)
+            for kind in ("F", "I", "B"):
+                dur[kind] = [d + x for d, x in zip(dur[kind], p2p_f)]
         plain = simulate_plan(plan, stage_rank, dur, latency)
         first_round = plain
         if rec.zero_stage == 3 and any(gath):
@@ -350,6 +363,7 @@ def predict(
                         [gath_wait[j] for j in range(*stages[s])],
                         cst.overlap,
                     )
+                    + (0.0 if cst.overlap else p2p_f[s])
                     for s in range(n_st)
                 }
             }
