@@ -588,6 +588,70 @@ def test_the_busiest_expert_rank_sets_the_pace():
     assert zplan.predict(no_ep, costs, flat, time_skew=1.5).step_s == zplan.predict(no_ep, costs, flat).step_s
 
 
+def test_ranks_sharing_cores_give_the_busiest_expert_rank_their_share():
+    """With more ranks than cores, the lighter expert ranks finish their products first and wait,
+    asleep, at the next exchange: the busiest rank's rows then take the cores alone (beside the
+    node's other work) or as long as the node's mean load needs every core, whichever is longer,
+    not the busiest rows at everyone's share. By hand on one matmul rate and no memory-bound
+    term: E the expert products' seconds at the mean rows on a whole core, s the skew, k the
+    contention, a the busiest rank's own (1, or the background's share): the experts take
+    s E max(a, k / s). Without shared cores (2 ranks, 2 cores) it is s E, as before."""
+    from moe import MoEConfig
+    from moe.model import TransformerConfig
+    from zero.plan.terms import _Costing
+
+    cfg = TransformerConfig(
+        vocab_size=64, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=8, moe=MoEConfig(16, 32, 4, 2)
+    )
+    costs = model_costs(cfg, 8)
+    moe = next(b for b in costs.blocks if b.is_moe)
+    rate = 1e10
+    for world, background, skew in ((4, 0.0, 1.5), (4, 0.0, 3.0), (4, 2.0, 3.0), (2, 0.0, 1.5), (2, 1.0, 1.5)):
+        flat = _profile(
+            matmul_flops={"fp32": [[64, rate]]},
+            memory_bandwidth=1e30,
+            op_overhead_s=0.0,
+            compute_slots=2,
+            background_load=background,
+            node_size=4,
+        )
+        r = zplan.LayoutRecord(world=world, batch_size=4, ep=world)
+        c = _Costing(r, costs, flat, None, time_skew=skew)
+        X, T = moe.num_experts // world, c.tokens
+        E = (
+            sum(
+                2.0 * mm.k * mm.n * (T * mm.rows_per_token * world / moe.num_experts) * X * mm.work
+                for mm in moe.matmuls
+                if mm.expert
+            )
+            / rate
+        )
+        k = (world + background) / 2
+        alone = max(1.0, (1 + background) / 2)
+        no_experts = dataclasses.replace(moe, matmuls=tuple(mm for mm in moe.matmuls if not mm.expert))
+        rest = _Costing(r, costs, flat, None, time_skew=skew).compute(no_experts)["F"]
+        assert rest == pytest.approx(
+            k
+            * _Costing(
+                r, costs, _profile(matmul_flops={"fp32": [[64, rate]]}, memory_bandwidth=1e30, op_overhead_s=0.0), None
+            ).compute(no_experts)["F"],
+            rel=1e-9,
+        )
+        experts = c.compute(moe)["F"] - rest
+        assert experts == pytest.approx(skew * E * max(alone, max(1.0, k) / skew), rel=1e-9), (world, background, skew)
+    # 4 ranks on 2 cores at skew 1.5: the node's mean load binds, as if even
+    even = _Costing(
+        zplan.LayoutRecord(world=4, batch_size=4, ep=4),
+        costs,
+        _profile(
+            matmul_flops={"fp32": [[64, rate]]}, memory_bandwidth=1e30, op_overhead_s=0.0, compute_slots=2, node_size=4
+        ),
+        None,
+    )
+    skewed = _Costing(even.rec, costs, even.profile, None, time_skew=1.5)
+    assert skewed.compute(moe)["F"] == pytest.approx(even.compute(moe)["F"], rel=1e-9)
+
+
 def test_attention_takes_its_kernels_measured_rate_and_backward():
     """A profile with ``attention_flops`` times attention's products (scores, weighted values) at
     the SDPA rate measured at the nearest (L, J) and its backward at the measured ratio; without

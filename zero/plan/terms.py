@@ -77,6 +77,12 @@ class _Costing:
         busy = per_node + profile.background_load
         slots = profile.slots
         self.contention = max(1.0, busy / slots)
+        # the experts' products run between two exchanges of their ep group: the lighter ranks
+        # reach the next exchange first and wait there asleep, leaving the busiest their share of
+        # the cores. Its rows take the node's cores either alone (beside the node's other work) or
+        # as long as the node's mean load needs them all, whichever is longer
+        alone = max(1.0, (1 + profile.background_load) / slots)
+        self.expert_contention = max(alone, self.contention / self.time_skew)
         # collectives overlap computation only where something else runs them: a GPU's copy
         # engines and network (no compute_slots), or a core no rank computes on; on a CPU whose
         # cores all compute, gloo's threads take their time from the ranks' (one after the other)
@@ -189,6 +195,7 @@ class _Costing:
         """Seconds of one micro-batch's F, I and W passes of layer ``b`` on this rank, compute only."""
         p, rec, T = self.profile, self.rec, self.tokens
         f = i = w = 0.0
+        ef = ei = ew = 0.0  # the experts' products, at the busiest rank's rows
         for mm in b.matmuls:
             if mm.expert:
                 X = b.num_experts // rec.ep
@@ -215,9 +222,15 @@ class _Costing:
             c = 2 if self.dtype == "bf16" else 4
             products = b.num_experts // rec.ep if mm.expert else 1
             floor = c * products * (rows * mm.k + mm.k * mm.n + rows * mm.n) / p.memory_bandwidth
-            f += max(flops / p.matmul_rate(self.dtype, rows, mm.k, mm.n), floor)
-            i += max(flops / p.matmul_rate(self.dtype, rows, mm.n, mm.k), floor)
-            w += max(flops / p.matmul_rate(self.dtype, mm.k, rows, mm.n), floor)
+            passes = (
+                max(flops / p.matmul_rate(self.dtype, rows, mm.k, mm.n), floor),
+                max(flops / p.matmul_rate(self.dtype, rows, mm.n, mm.k), floor),
+                max(flops / p.matmul_rate(self.dtype, mm.k, rows, mm.n), floor),
+            )
+            if mm.expert:
+                ef, ei, ew = ef + passes[0], ei + passes[1], ew + passes[2]
+            else:
+                f, i, w = f + passes[0], i + passes[1], w + passes[2]
         held = b.params_dense + b.params_expert / rec.ep
         weights = held * self.c_w / p.memory_bandwidth  # each pass reads the weights once
         # the non-matmul operators at the rates of tensors of this micro-batch's rows: the FFN
@@ -240,7 +253,8 @@ class _Costing:
         i += i_share * back_s + weights + 1.2 * b.ops * p.backward_op_s
         w += (1.0 - i_share) * back_s + weights + 0.5 * b.ops * p.backward_op_s
         k = self.contention
-        return {"F": f * k, "I": i * k, "W": w * k}
+        ke = self.expert_contention
+        return {"F": f * k + ef * ke, "I": i * k + ei * ke, "W": w * k + ew * ke}
 
     def moe_comm(self, b: BlockCost) -> dict[str, float]:
         """Synchronous communication of an MoE layer per micro-batch: F and I (the backward)."""
