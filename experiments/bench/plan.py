@@ -3,9 +3,10 @@ layout on gloo ranks, against ``zero.plan``'s step time and model-state memory o
 ``cpu_2core`` profile, or with ``--calibrate`` on a profile measured just before each round;
 (b) on paper: two published large runs against the planner on vendor profiles; (r) one rank's
 bare forward and backward on ``model=small`` and shapes around it against the planner's compute;
-(s) the zero-bubble schedules' split backward against a whole one.
+(s) the zero-bubble schedules' split backward against a whole one; (h) a pipeline's hand-over
+between two computing ranks against the planner's rule for it.
 
-    python -m experiments.bench.plan [--part a|b|ab|r|s] [--steps 8] [--rounds 3] [--quick] [--calibrate]
+    python -m experiments.bench.plan [--part a|b|ab|r|s|h] [--steps 8] [--rounds 3] [--quick] [--calibrate]
                                      [--profile cpu_2core] [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
@@ -465,6 +466,93 @@ def part_s(steps: int = 10) -> dict:
     return out
 
 
+# ----- (h) a pipeline's hand-over between computing ranks ------------------------------------------
+
+HAND_SIZES = (4096, 131072, 1048576)  # model=small's activation of a 4 x 128 micro-batch is 131,072 bytes
+
+
+def _hand_rank(rank, world, sizes, items, repeats):
+    """Rank 0 and 1 of ``part_h``: per message size, ``repeats`` rounds of three timings, each an
+    item's seconds: the compute alone (both ranks at once), as a chain (0 computes then sends, 1
+    receives then computes: a pipeline's forwards) and both ways (each computes, then sends to and
+    receives from the other: 1F1B's steady state), through ``dist.batch_isend_irecv`` as
+    torch.distributed.pipelining posts its transfers. Returns each size's rounds, each
+    ``(alone, chain, both)``; the ranks time each round at once (between barriers)."""
+    import torch
+    import torch.distributed as dist
+
+    from experiments.calibrate import _busy_segment
+
+    torch.set_num_threads(1)
+    work = _busy_segment(0.008)  # about 8 ms of a reference block's forwards, as a chunk of model=small
+    peer = 1 - rank
+
+    def alone():
+        for _ in range(items):
+            work()
+
+    def chain(x, y):
+        sends = []
+        for _ in range(items):
+            if rank == 0:
+                work()
+                sends += dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])
+            else:
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, y, peer)]):
+                    w.wait()
+                work()
+        for w in sends:
+            w.wait()
+
+    def both(x, y):
+        for _ in range(items):
+            work()
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]):
+                w.wait()
+
+    def timed(fn, *a):
+        dist.barrier()
+        t = time.perf_counter()
+        fn(*a)
+        return (time.perf_counter() - t) / items
+
+    out = {}
+    for size in sizes:
+        x, y = torch.randn(size // 4), torch.empty(size // 4)
+        out[size] = [(timed(alone), timed(chain, x, y), timed(both, x, y)) for _ in range(repeats)]
+    return out
+
+
+def part_h(profile_name: str, items: int = 20, repeats: int = 9) -> dict:
+    """A pipeline's hand-over between two ranks that compute, each on a core of this machine (2 gloo
+    ranks of one thread): each item's time beyond the slower rank's compute alone, as a chain and both ways
+    (``_hand_rank``), against the planner's rule with no core to spare: the transfer's calibrated
+    time h (``profile_name``'s intra-node p2p) on the sender's action and on the receiver's, so a
+    chain paces at compute + h and both ways at compute + 2h. Were it a wait between the ranks
+    (the rule with a core to spare) a chain would pace at the compute alone."""
+    from tests.support.dist import run_distributed
+
+    profile = zplan.load_profile(profile_name)
+    link = profile.link("intra", "p2p")
+    res = run_distributed(_hand_rank, 2, HAND_SIZES, items, repeats, timeout=600)
+    rows = []
+    for size in HAND_SIZES:
+        # the two ranks' cores need not run at one speed: a chain and both ways go at the slower
+        # rank's pace, so each round's extra is over the slower rank's compute alone in that round
+        # (the machine's speed moves between rounds), and of the rounds the median
+        rounds = list(zip(*(r[size] for r in res)))
+        slower = [[max(t[i] for t in rnd) for i in range(3)] for rnd in rounds]
+        alone = statistics.median(a for a, _, _ in slower)
+        extra = {k: statistics.median(x[i] - x[0] for x in slower) for i, k in ((1, "chain"), (2, "both"))}
+        h = link.time("p2p", size, 2)
+        rows.append(dict(bytes=size, alone_s=alone, h_s=h, chain_s=extra["chain"], both_s=extra["both"]))
+        print(
+            f"| {size:,} | {rows[-1]['alone_s'] * 1e3:.2f} | {extra['chain'] * 1e3:.2f} | {h * 1e3:.2f} "
+            f"| {extra['both'] * 1e3:.2f} | {2 * h * 1e3:.2f} |"
+        )
+    return dict(rows=rows, profile=profile.name)
+
+
 # ----- (b) on paper ---------------------------------------------------------------------------------
 
 
@@ -635,8 +723,8 @@ def part_b(skew: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s"])
-    ap.add_argument("--profile", default="cpu_2core", help="(r): the profile predicted on")
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h"])
+    ap.add_argument("--profile", default="cpu_2core", help="(r, h): the profile predicted on")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
     ap.add_argument("--quick", action="store_true", help=f"(a): {len(QUICK)} of the {len(LAYOUTS)} layouts")
@@ -670,6 +758,12 @@ def main(argv=None) -> int:
         print("| two blocks, 4 x 128 tokens | whole backward ms | input pass ms | weight pass ms | split / whole |")
         print("|---|---|---|---|---|")
         results["s"] = part_s()
+    if a.part == "h":
+        print(
+            "| message bytes | compute alone ms | chain: measured extra ms | chain: planner ms (h) "
+            "| both ways: measured extra ms | both ways: planner ms (2h) |\n|---|---|---|---|---|---|"
+        )
+        results["h"] = part_h(a.profile)
     if a.part == "r":
         print("| shape (sequences x tokens) | measured ms | predicted ms | error |\n|---|---|---|---|")
         results["r"] = part_r(a.profile)
