@@ -523,7 +523,7 @@ def _gpipe2_by_hand(f, b, h_work, h_wait, m):
 def test_a_pipelines_hand_overs_are_work_on_both_ranks_when_every_core_computes(setting, monkeypatch):
     """Two pipeline ranks on two computing cores: gloo's thread takes each transfer's time from the
     sending rank and from the receiving one (``python -m experiments.bench.plan --part h``: a
-    consumer paced by a producer that sends after each 8 ms of a block's forwards took 0.9-2.2 ms
+    consumer paced by a producer that sends after each 8 ms of a block's forwards took 1.1-1.8 ms
     more per 4-128 KB item than the compute alone, where a wait would cost nothing), so each
     hand-over's whole time adds to both ranks' actions and no wait is left between them.
     With a core to spare it is a wait between the ranks that costs neither. Both against a GPipe
