@@ -523,6 +523,21 @@ def _hand_rank(rank, world, sizes, items, repeats):
     return out
 
 
+def hand_extras(ranks: list, items: int) -> tuple[float, list[float], dict]:
+    """``ranks[r]``: rank r's rounds of ``_hand_rank``, each ``(alone, chain, both)`` seconds an
+    item. The two ranks' cores need not run at one speed, and a chain and both ways go at the
+    slower rank's pace: each round's extra is over the slower rank's compute alone in that round
+    (the machine's speed moves between rounds), and of the rounds the median. The chain's
+    receiver first waits for one item, so its time holds items + 1 paces. Returns the slower
+    rank's compute alone, each rank's, and ``{"chain": s, "both": s}``: the extra an item."""
+    slower = [[max(t[i] for t in rnd) for i in range(3)] for rnd in zip(*ranks)]
+    for x in slower:
+        x[1] *= items / (items + 1)
+    alone = statistics.median(x[0] for x in slower)
+    extra = {k: statistics.median(x[i] - x[0] for x in slower) for i, k in ((1, "chain"), (2, "both"))}
+    return alone, [statistics.median(t[0] for t in rounds) for rounds in ranks], extra
+
+
 def part_h(profile_name: str, items: int = 20, repeats: int = 9) -> dict:
     """A pipeline's hand-over between two ranks that compute, each on a core of this machine (2 gloo
     ranks of one thread): each item's time beyond the slower rank's compute alone, as a chain and both ways
@@ -537,17 +552,8 @@ def part_h(profile_name: str, items: int = 20, repeats: int = 9) -> dict:
     res = run_distributed(_hand_rank, 2, HAND_SIZES, items, repeats, timeout=600)
     rows = []
     for size in HAND_SIZES:
-        # the two ranks' cores need not run at one speed: a chain and both ways go at the slower
-        # rank's pace, so each round's extra is over the slower rank's compute alone in that round
-        # (the machine's speed moves between rounds), and of the rounds the median
-        rounds = list(zip(*(r[size] for r in res)))
-        slower = [[max(t[i] for t in rnd) for i in range(3)] for rnd in rounds]
-        for x in slower:  # the chain's receiver first waits for one item: items + 1 paces in its time
-            x[1] *= items / (items + 1)
-        alone = statistics.median(a for a, _, _ in slower)
-        extra = {k: statistics.median(x[i] - x[0] for x in slower) for i, k in ((1, "chain"), (2, "both"))}
+        alone, by_rank, extra = hand_extras([r[size] for r in res], items)
         h = link.time("p2p", size, 2)
-        by_rank = [statistics.median(t[0] for t in r[size]) for r in res]  # each rank's compute alone
         row = dict(bytes=size, alone_s=alone, alone_by_rank_s=by_rank, h_s=h)
         rows.append(dict(row, chain_s=extra["chain"], both_s=extra["both"]))
         print(

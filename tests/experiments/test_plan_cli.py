@@ -294,3 +294,21 @@ def test_the_planner_benchmarks_one_rank_shapes_start_from_the_trainers_model_sm
     assert _one_rank_config({}) == small
     assert all(label == "model=small" for label, fields, _, _ in ONE_RANK if not fields)
     assert all(_one_rank_config(fields) != small for _, fields, _, _ in ONE_RANK if fields)
+
+
+def test_the_hand_over_extra_is_over_the_slower_ranks_compute_in_each_round():
+    """``--part h``'s arithmetic by hand: rank 1 computes slower in rounds 1 and 3, rank 0 in round
+    2; a chain and both ways pace at the slower rank, the chain's time holding one fill; the
+    median over rounds of each round's extra over its slower rank's compute alone."""
+    from experiments.bench.plan import hand_extras
+
+    items = 20
+    fill = (items + 1) / items
+    r0 = [(6.0, 8.5 * fill, 10.0), (9.0, 10.0 * fill, 12.0), (6.0, 8.0 * fill, 9.0)]
+    r1 = [(8.0, 9.0 * fill, 10.5), (7.0, 10.5 * fill, 11.0), (7.5, 9.0 * fill, 9.5)]
+    alone, by_rank, extra = hand_extras([r0, r1], items)
+    # slower rank per round: alone 8, 9, 7.5; chain 9, 10.5, 9; both 10.5, 12, 9.5
+    assert alone == pytest.approx(8.0)
+    assert by_rank == pytest.approx([6.0, 7.5])
+    assert extra["chain"] == pytest.approx(1.5)  # 1.0, 1.5, 1.5
+    assert extra["both"] == pytest.approx(2.5)  # 2.5, 3.0, 2.0
