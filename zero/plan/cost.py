@@ -61,7 +61,10 @@ rank's last backward with one (``Pipeline`` calls ``start_reduction``); the MoE 
 All-to-All, its statistics all-reduce and the capacity gather are synchronous (summed). The
 pipeline's length comes from simulating the schedule's own order with each stage's forward,
 backward-input and backward-weight durations and the point-to-point time of an activation between
-ranks; every accumulation round runs a whole pipeline (fill and drain). Then the optimizer: Adam's
+ranks: a wait between them where something else moves the bytes (a GPU, a spare core), and work
+on both ranks' actions where every core computes; every accumulation round runs a whole pipeline
+(fill and drain). Where ranks share cores, the busiest expert rank's products take the longer of
+its rows alone and the node's mean load on all cores (``_Costing.expert_contention``). Then the optimizer: Adam's
 passes over this rank's shard at memory bandwidth, or with offload the host's rate plus the copies
 over the host link, and ZeRO-1/2's all-gather of the updated weights.
 
