@@ -607,15 +607,12 @@ def test_ranks_sharing_cores_give_the_busiest_expert_rank_their_share():
     costs = model_costs(cfg, 8)
     moe = next(b for b in costs.blocks if b.is_moe)
     rate = 1e10
+
+    def flat_profile(**kw):  # one matmul rate, no memory-bound term, no fixed cost per operator
+        return _profile(matmul_flops={"fp32": [[64, rate]]}, memory_bandwidth=1e30, op_overhead_s=0.0, **kw)
+
     for world, background, skew in ((4, 0.0, 1.5), (4, 0.0, 3.0), (4, 2.0, 3.0), (2, 0.0, 1.5), (2, 1.0, 1.5)):
-        flat = _profile(
-            matmul_flops={"fp32": [[64, rate]]},
-            memory_bandwidth=1e30,
-            op_overhead_s=0.0,
-            compute_slots=2,
-            background_load=background,
-            node_size=4,
-        )
+        flat = flat_profile(compute_slots=2, background_load=background, node_size=4)
         r = zplan.LayoutRecord(world=world, batch_size=4, ep=world)
         c = _Costing(r, costs, flat, None, time_skew=skew)
         X, T = moe.num_experts // world, c.tokens
@@ -630,25 +627,13 @@ def test_ranks_sharing_cores_give_the_busiest_expert_rank_their_share():
         k = (world + background) / 2
         alone = max(1.0, (1 + background) / 2)
         no_experts = dataclasses.replace(moe, matmuls=tuple(mm for mm in moe.matmuls if not mm.expert))
-        rest = _Costing(r, costs, flat, None, time_skew=skew).compute(no_experts)["F"]
-        assert rest == pytest.approx(
-            k
-            * _Costing(
-                r, costs, _profile(matmul_flops={"fp32": [[64, rate]]}, memory_bandwidth=1e30, op_overhead_s=0.0), None
-            ).compute(no_experts)["F"],
-            rel=1e-9,
-        )
+        rest = c.compute(no_experts)["F"]
+        assert rest == pytest.approx(k * _Costing(r, costs, flat_profile(), None).compute(no_experts)["F"], rel=1e-9)
         experts = c.compute(moe)["F"] - rest
         assert experts == pytest.approx(skew * E * max(alone, max(1.0, k) / skew), rel=1e-9), (world, background, skew)
     # 4 ranks on 2 cores at skew 1.5: the node's mean load binds, as if even
-    even = _Costing(
-        zplan.LayoutRecord(world=4, batch_size=4, ep=4),
-        costs,
-        _profile(
-            matmul_flops={"fp32": [[64, rate]]}, memory_bandwidth=1e30, op_overhead_s=0.0, compute_slots=2, node_size=4
-        ),
-        None,
-    )
+    four = zplan.LayoutRecord(world=4, batch_size=4, ep=4)
+    even = _Costing(four, costs, flat_profile(compute_slots=2, node_size=4), None)
     skewed = _Costing(even.rec, costs, even.profile, None, time_skew=1.5)
     assert skewed.compute(moe)["F"] == pytest.approx(even.compute(moe)["F"], rel=1e-9)
 

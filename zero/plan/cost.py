@@ -345,15 +345,14 @@ def predict(
             for s in range(n_st)
         ]
         if cst.overlap:  # something else moves the bytes: the hand-over is a wait between the ranks
-            latency = hand
+            latency, p2p_f = hand, [0.0] * n_st
         else:
             # every core computes: a transfer is work on both ranks, the sender's action and the
             # receiver's, each paying its whole time, and nothing is left to wait for
-            latency = [0.0] * n_st
-            p2p_f = [hand[s] + (hand[s - 1] if s else 0.0) for s in range(n_st)]
-            # (the gradient's receive and send belong to the input pass, or the whole backward)
-            for kind in ("F", "I", "B"):
-                dur[kind] = [d + x for d, x in zip(dur[kind], p2p_f)]
+            latency, p2p_f = [0.0] * n_st, [hand[s] + (hand[s - 1] if s else 0.0) for s in range(n_st)]
+        # (the gradient's receive and send belong to the input pass, or the whole backward)
+        for kind in ("F", "I", "B"):
+            dur[kind] = [d + x for d, x in zip(dur[kind], p2p_f)]
         plain = simulate_plan(plan, stage_rank, dur, latency)
         first_round = plain
         if rec.zero_stage == 3 and any(gath):
@@ -366,7 +365,7 @@ def predict(
                         [gath_wait[j] for j in range(*stages[s])],
                         cst.overlap,
                     )
-                    + (0.0 if cst.overlap else p2p_f[s])
+                    + p2p_f[s]
                     for s in range(n_st)
                 }
             }
