@@ -448,8 +448,9 @@ def test_alpha_beta_time_is_hockneys_ring_model():
 def _zero3_by_hand(c, costs, waits_hidden: bool) -> float:
     """A 2-rank ZeRO-3 step summed by hand: each layer's compute, its gathers (forward, backward)
     and its reduction one after the other, the optimizer, the weights' gather, the norm's
-    all-reduce; ``waits_hidden``: the gathers are all waits (β infinite), each hidden behind the
-    layer computing beside it but the first of each pass."""
+    all-reduce; ``waits_hidden``: the gathers and reductions are all waits (β infinite), each
+    gather hidden behind the layer computing beside it but the first of each pass, each reduction
+    behind the backward of the layers after it but the last one's (the first layer's)."""
     layers = list(costs.blocks)
     comp = [c.compute(b) for b in layers]
     moe = [c.moe_comm(b) for b in layers]
@@ -459,7 +460,7 @@ def _zero3_by_hand(c, costs, waits_hidden: bool) -> float:
         gathers = c.gather(layers[0]) + c.gather_again(layers[-1])
     else:
         gathers = sum(c.gather(b) for b in layers) + sum(c.gather_again(b) for b in layers)
-    red = sum(c.reduce(b) for b in layers)
+    red = c.reduce(layers[0]) if waits_hidden else sum(c.reduce(b) for b in layers)
     norm = c.coll("all_reduce", 8, [0, 1])
     return f + bwd + gathers + red + c.optimizer(layers) + c.post_step_gather(layers) + norm
 
@@ -469,8 +470,9 @@ def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     compute and each gather's copies and each reduction one after the other: gathers of bytes
     alone (α = 0) add in full, and gathers that are waits alone (β infinite: gloo's thread asleep
     while the peer comes) hide behind the layer computing beside them, as the prefetch runs them,
-    but the first of each pass. With a spare core (or a GPU: no slots) the gathers and reductions
-    hide behind compute, so the step is shorter."""
+    but the first of each pass; reductions that are waits alone hide behind the backward of the
+    layers still to run, but the last one's. With a spare core (or a GPU: no slots) the gathers
+    and reductions hide behind compute, so the step is shorter."""
     from zero.plan.terms import _Costing
 
     costs = setting.costs
@@ -488,6 +490,7 @@ def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     cw = _Costing(r, costs, only_waits, None)
     # every wait shorter than any layer's compute: each hides whole behind the one beside it
     assert max(cw.gather(b) for b in costs.blocks) < min(cw.compute(b)["F"] for b in costs.blocks)
+    assert max(cw.reduce(b) for b in costs.blocks) < min(cw.compute(b)["W"] for b in costs.blocks)
     by_hand = _zero3_by_hand(cw, costs, waits_hidden=True)
     assert zplan.predict(r, costs, only_waits).step_s == pytest.approx(by_hand, rel=1e-9)
     # the shipped-like mix of both: more than the copies alone, less than everything in a row
@@ -495,6 +498,26 @@ def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     assert _zero3_by_hand(c, costs, waits_hidden=False) > step
     spare = _profile(compute_slots=3)
     assert zplan.predict(r, costs, spare).step_s < step
+
+
+def test_a_layer_without_experts_reduces_its_dense_weights_only(setting):
+    """The engine builds a flat, and reduces it, only for a kind of weight a layer has: the
+    embedding's and the head's reductions are one collective of their dense bytes, with no α
+    steps of an empty expert one (a zero-byte collective is never issued)."""
+    from zero.plan.terms import _Costing
+
+    costs = setting.costs
+    profile = _profile(compute_slots=2)
+    for stage, op in ((0, "all_reduce"), (2, "reduce_scatter")):
+        c = _Costing(zplan.LayoutRecord(world=2, batch_size=BATCH, zero_stage=stage), costs, profile, None)
+        dense_only = [b for b in costs.blocks if not b.params_expert and b.shares_params_with is None]
+        assert dense_only
+        for b in dense_only:
+            assert c.reduce(b) == pytest.approx(c.coll(op, b.params_dense * 4, [0, 1]), rel=1e-12)
+        moe_block = next(b for b in costs.blocks if b.is_moe)
+        both = c.coll(op, moe_block.params_dense * 4, [0, 1]) + c.coll(op, moe_block.params_expert * 4, [0, 1])
+        assert c.reduce(moe_block) == pytest.approx(both, rel=1e-12)
+        assert c.coll(op, 0, [0, 1]) == 0.0
 
 
 def _gpipe2_by_hand(f, b, h_work, h_wait, m):

@@ -57,7 +57,8 @@ dequantize and sum. ``Prediction.comm_bytes``: the bytes per tier the engine's c
 (``zero.plan.wire``). The overlaps are the engine's: ZeRO-3 prefetches the next block's gather while a block
 computes (max per block, the first gather exposed); gradient reductions start per block as soon as
 its gradients are complete (overlapping the rest of that backward) without a pipeline, and after a
-rank's last backward with one (``Pipeline`` calls ``start_reduction``); the MoE layer's
+rank's last backward with one (``Pipeline`` calls ``start_reduction``); where every core computes,
+a gather's or a reduction's copies take the cores' time and only its waits (its α steps) overlap; the MoE layer's
 All-to-All, its statistics all-reduce and the capacity gather are synchronous (summed). The
 pipeline's length comes from simulating the schedule's own order with each stage's forward,
 backward-input and backward-weight durations and the point-to-point time of an activation between
@@ -143,7 +144,7 @@ def predict(
     stages = [(0, L)] if plan is None else list(plan.ranges)
 
     # per layer: passes, communication, memory per token
-    comp, moe, gath, red, gath2, gath_wait, gath2_wait = _layer_terms(cst)
+    comp, moe, gath, red, gath2, gath_wait, gath2_wait, red_wait = _layer_terms(cst)
 
     def layer_f(j):
         return comp[j]["F"] + moe[j]["F"]
@@ -310,8 +311,13 @@ def predict(
             last_bwd = bwd
         elif ov:
             last_bwd = max(bwd, _overlapped_reduction(b_c, r_rev))
-        else:  # the reductions after the backward's compute and gathers, one after the other
-            last_bwd = bwd + sum(r_rev)
+        else:
+            # gloo's threads take each reduction's copies from the computing cores, and its waits
+            # (α steps, asleep) overlap the layers still to run: what the backward's compute
+            # gains is the copies and the waits left after it
+            w_rev = [red_wait[j] for j in layers][::-1]
+            copies = [c + r - w for c, r, w in zip(b_c, r_rev, w_rev)]
+            last_bwd = bwd + _overlapped_reduction(copies, w_rev) - sum(b_c)
         pipeline = fwd + (rec.grad_accum - 1) * (fwd_again + bwd) + last_bwd
         forward = fwd + (rec.grad_accum - 1) * fwd_again
         tp.update(forward=forward, backward=rec.grad_accum * bwd, reduction_exposed=last_bwd - bwd)

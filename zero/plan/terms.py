@@ -91,7 +91,8 @@ class _Costing:
     # ----- collectives ---------------------------------------------------------------------------
     def coll(self, op: str, nbytes: float, ranks) -> float:
         n = len(ranks)
-        if n <= 1 or nbytes < 0:
+        # nothing to move issues no collective (a layer without experts has no expert flat)
+        if n <= 1 or nbytes <= 0:
             return 0.0
         p = self.profile
         nodes = self.groups.nodes(ranks)
@@ -386,21 +387,25 @@ def _layer_terms(cst: _Costing):
         return hit[2]
     blocks = cst.costs.blocks
     gath, gath2 = [cst.gather(b) for b in blocks], [cst.gather_again(b) for b in blocks]
-    # the waits of ZeRO-3's prefetched gathers: where no core is spare their copies take the
-    # cores' time, their waits do not (predict); where one is, the waits are not read
-    if cst.overlap or rec.zero_stage != 3:
-        waits, waits2 = gath, gath2
+    red = [cst.reduce(b) for b in blocks]
+    # the waits of the collectives that run beside the compute (ZeRO-3's prefetched gathers, the
+    # gradient reductions launched as the backward goes): where no core is spare their copies
+    # take the cores' time, their waits do not (predict); where one is, the waits are not read
+    if cst.overlap:
+        waits, waits2, red_waits = gath, gath2, red
     else:
         lat = _Costing(rec, cst.costs, latency_profile(cst.profile), cst.skew, cst.time_skew)
         waits, waits2 = [lat.gather(b) for b in blocks], [lat.gather_again(b) for b in blocks]
+        red_waits = [lat.reduce(b) for b in blocks]
     terms = (
         [cst.compute(b) for b in blocks],
         [cst.moe_comm(b) for b in blocks],
         gath,
-        [cst.reduce(b) for b in blocks],
+        red,
         gath2,
         waits,
         waits2,
+        red_waits,
     )
     if len(_TERMS) > 4096:
         _TERMS.clear()
