@@ -560,6 +560,7 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bo
     res = {op: [] for op in zplan.profile.COLLECTIVES}
     idle = {op: [] for op in zplan.profile.COLLECTIVES}
     compute = _busy_segment(BUSY_SEGMENT_S) if busy else None
+    beside = {op: [] for op in BESIDE_OPS}
 
     def pingpong(t):  # ranks 0 and 1 (the others wait at the next barrier); half of it counts: there and back
         if rank == 0:
@@ -605,8 +606,23 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bo
                 # two noisy batches can come out below)
                 t = max(t, per_call(compute))
             res[op].append(max(t, 1e-7))
+        if busy:
+            for op in BESIDE_OPS:
+                async_fn = {
+                    "all_reduce": lambda: dist.all_reduce(full, async_op=True),
+                    "reduce_scatter": lambda: reduce_scatter_into(part, full, None, async_op=True),
+                    "all_gather": lambda: all_gather_into(full, part, None, async_op=True),
+                }[op]
+                async_fn().wait()  # warm
+                reps = 20 if nbytes <= (1 << 20) else 5
+                beside[op].append(cpu_per_call(async_fn, reps, 3, dist.barrier))
+    if busy:  # every rank's CPU pays for its calls: their mean
+        for op in BESIDE_OPS:
+            mean = torch.tensor(beside[op], dtype=torch.float64)
+            dist.all_reduce(mean)
+            beside[op] = [max(v / world, 1e-7) for v in mean.tolist()]
     if rank == 0:
-        q.put((res, idle))
+        q.put((res, idle, beside))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -628,6 +644,25 @@ def per_call_time(t_with: list[float], t_without: list[float], reps: int, op: st
 
 # a CPU's ranks compute between their collectives: each timed call follows this much work
 BUSY_SEGMENT_S = 0.003
+
+# the asynchronous collectives a step runs beside its compute (ZeRO-3's prefetched gathers, the
+# gradient reductions launched as the backward goes)
+BESIDE_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def cpu_per_call(launch, reps: int, batches: int, barrier, clock=time.process_time) -> float:
+    """What one asynchronous collective takes from its rank's cores: the process's CPU time (every
+    thread's: the launch, gloo's worker, the system calls that copy its bytes; ``clock``) over
+    ``batches`` batches of ``reps`` (launch, wait), per call, the median batch. Its waits, asleep,
+    take none: beside compute that time is the compute's to use."""
+    per_batch = []
+    for _ in range(batches):
+        barrier()
+        t = clock()
+        for _ in range(reps):
+            launch().wait()
+        per_batch.append((clock() - t) / reps)
+    return statistics.median(per_batch)
 
 
 def _busy_segment(seconds: float):
@@ -683,20 +718,35 @@ def measure_collectives(backend: str, world: int = 2, sizes=None, busy: bool | N
     q = ctx.Queue()
     port = rendezvous_port()
     mp.start_processes(_coll_worker, args=(world, port, backend, sizes, busy, q), nprocs=world, start_method="spawn")
-    res, idle = q.get()
-    return _collectives(res, idle, world, sizes, busy)
+    res, idle, beside = q.get()
+    return _collectives(res, idle, world, sizes, busy, beside)
 
 
-def _collectives(res: dict, idle: dict, world: int, sizes, busy: bool) -> dict:
-    """``measure_collectives``' result from each op's times by size: α, β fitted to ``res``."""
+def _collectives(res: dict, idle: dict, world: int, sizes, busy: bool, beside: dict | None = None) -> dict:
+    """``measure_collectives``' result from each op's times by size: α, β fitted to ``res``, and
+    (between computing ranks) to what each asynchronous one costs beside compute (``beside``)."""
     fitted = {}
     for op, times in res.items():
         ab = zplan.fit_alpha_beta(op, world, sizes, times)
         fitted[op] = {"alpha": ab.alpha, "beta": ab.beta}
+    beside = {op: t for op, t in (beside or {}).items() if t}
+    fitted_beside, unfitted = {}, {}
+    for op, times in beside.items():
+        try:
+            ab = zplan.fit_alpha_beta(op, world, sizes, times)
+        except ValueError as e:
+            # too noisy to give a bandwidth: the profile leaves the op out, and the planner takes its
+            # bytes alone (the collective's time less its waits), as on a profile measured before
+            unfitted[op] = str(e)
+            continue
+        fitted_beside[op] = {"alpha": ab.alpha, "beta": ab.beta}
     return {
         "fitted": fitted,
+        "fitted_beside": fitted_beside,
+        "beside_unfitted": unfitted,
         "raw": {op: list(zip(sizes, t)) for op, t in res.items()},
         "idle": {op: list(zip(sizes, t)) for op, t in idle.items()},
+        "beside": {op: list(zip(sizes, t)) for op, t in beside.items()},
         "busy": busy,
         "world": world,
     }
@@ -707,10 +757,10 @@ def median_collectives(runs: list[dict]) -> dict:
     first = runs[0]
     sizes = [s for s, _ in next(iter(first["raw"].values()))]
     times = {
-        key: median_of([{op: [t for _, t in pts] for op, pts in r[key].items()} for r in runs])
-        for key in ("raw", "idle")
+        key: median_of([{op: [t for _, t in pts] for op, pts in r.get(key, {}).items()} for r in runs])
+        for key in ("raw", "idle", "beside")
     }
-    return _collectives(times["raw"], times["idle"], first["world"], sizes, first["busy"])
+    return _collectives(times["raw"], times["idle"], first["world"], sizes, first["busy"], times["beside"])
 
 
 def median_of(runs: list):
@@ -804,6 +854,17 @@ def run_calibrate(argv: list[str]) -> int:
         # one machine: its only link; a profile for several nodes takes the inter tier from --base
         tiers["inter"] = (base.get("collectives") or {}).get("inter") or dict(coll["fitted"])
         d["collectives"] = tiers
+        for op, why in coll["beside_unfitted"].items():
+            print(f"warning: {op} beside computation left out of the profile: {why}", file=sys.stderr)
+        # measured here or not at all: a --base profile's figures are another machine's
+        d["collectives_beside"] = dict(coll["fitted_beside"])
+        sources.pop("collectives_beside", None)
+        if coll["fitted_beside"]:
+            sources["collectives_beside"] = (
+                "2 local gloo ranks, the process CPU time (every thread) per asynchronous call, the mean of "
+                f"the ranks, least squares over {COLL_SIZES} bytes"
+                + (f"; each timing the median of {repeats} measurements" if repeats > 1 else "")
+            )
         sources["collectives.intra"] = (
             f"2 local ranks, {'nccl' if cuda else 'gloo'}, least squares over {COLL_SIZES} bytes"
             + (f", each call after {BUSY_SEGMENT_S * 1e3:g} ms of computation (taken off)" if coll["busy"] else "")
@@ -825,6 +886,10 @@ def run_calibrate(argv: list[str]) -> int:
         header += f"\nraw collective timings (bytes, seconds), 2 ranks{where}:\n" + "\n".join(
             f"  {op}: " + ", ".join(f"({s}, {t:.3g})" for s, t in pts) for op, pts in raw.items()
         )
+        if coll["beside"]:
+            header += "\nasynchronous, a rank's CPU seconds per call:\n" + "\n".join(
+                f"  {op}: " + ", ".join(f"({s}, {t:.3g})" for s, t in pts) for op, pts in coll["beside"].items()
+            )
     zplan.save_profile(profile, out, header=header)
     print(f"wrote {out}")
     return 0

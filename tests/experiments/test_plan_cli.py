@@ -180,6 +180,48 @@ def test_calibration_keeps_the_median_of_its_repeats():
     assert median_of(runs) == {"rate": 2.0, "rows": [[64, 16, 4.0], [64, 32, 4.0]], "name": "cpu"}
 
 
+def test_a_collective_beside_compute_costs_its_processs_cpu_time_per_call():
+    """``cpu_per_call``: the process's CPU time over batches of (launch, wait), per call, the
+    median batch, each batch after a barrier; on a clock the fakes move, a launch of 0.5 and a
+    wait of 0.25 CPU seconds cost 0.75 a call, and one slow batch does not move the median."""
+    from experiments.calibrate import cpu_per_call
+
+    clock, barriers, slow = [0.0], [], [0]
+
+    class Handle:
+        def wait(self):
+            clock[0] += 0.25
+
+    def launch():
+        slow[0] += 1
+        clock[0] += 0.5 + (10.0 if slow[0] == 3 else 0.0)  # one call of the first batch stalls
+        return Handle()
+
+    cost = cpu_per_call(launch, 4, 3, lambda: barriers.append(1), clock=lambda: clock[0])
+    assert cost == pytest.approx(0.75) and len(barriers) == 3
+
+
+def test_the_calibrations_collectives_beside_compute_are_fitted_and_a_noisy_one_left_out():
+    """What an asynchronous collective costs beside compute is fitted like the collectives' times
+    (α per step, β); timings that do not grow with the size give no fit: that op is left out,
+    saying why, and the profile keeps the others."""
+    from experiments.calibrate import _collectives, median_collectives
+
+    sizes = [1 << 12, 1 << 20, 1 << 24]
+    ab = zplan.AlphaBeta(4e-4, 2e9)
+    times = {op: [ab.time(op, s, 2) for s in sizes] for op in ("all_reduce", "reduce_scatter", "all_to_all")}
+    beside = {"all_reduce": [zplan.AlphaBeta(3e-4, 1e9).time("all_reduce", s, 2) for s in sizes]}
+    beside["all_gather"] = [3e-3, 2e-3, 1e-3]  # falls with the size: no bandwidth
+    res = _collectives(times, times, 2, sizes, True, beside)
+    assert res["fitted_beside"]["all_reduce"] == pytest.approx({"alpha": 3e-4, "beta": 1e9})
+    assert set(res["fitted_beside"]) == {"all_reduce"} and "do not grow" in res["beside_unfitted"]["all_gather"]
+    assert [s for s, _ in res["beside"]["all_reduce"]] == sizes
+    # three runs' medians, fitted again; a run measured without them (idle ranks) has none
+    again = median_collectives([res, res, res])
+    assert again["fitted_beside"] == res["fitted_beside"]
+    assert _collectives(times, times, 2, sizes, False)["fitted_beside"] == {}
+
+
 @pytest.mark.distributed
 def test_calibrate_fits_the_collectives_of_gloo_ranks(tmp_path):
     # three ranks: the point-to-point pair is ranks 0 and 1, and the third waits for them (it once
@@ -197,6 +239,14 @@ def test_calibrate_fits_the_collectives_of_gloo_ranks(tmp_path):
         assert all(t >= t_idle for (_, t), (_, t_idle) in zip(res["raw"][op], res["idle"][op])), op
         want = zplan.fit_alpha_beta(op, 3, sizes, [t for _, t in res["raw"][op]])
         assert ab == {"alpha": want.alpha, "beta": want.beta}, op
+    # the asynchronous ones a step runs beside its compute, each timed beside it at every size;
+    # each fitted, or left out saying why
+    from experiments.calibrate import BESIDE_OPS
+
+    assert set(res["beside"]) == set(BESIDE_OPS)
+    for op, pts in res["beside"].items():
+        assert [s for s, _ in pts] == sizes and all(t > 0 for _, t in pts), op
+        assert (op in res["fitted_beside"]) != (op in res["beside_unfitted"]), op
 
 
 def test_the_planner_benchmarks_routing_skew_and_rank_correlation():

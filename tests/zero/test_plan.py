@@ -400,7 +400,12 @@ def test_shipped_profiles_round_trip(tmp_path):
         p = zplan.load_profile(name)
         back = zplan.load_profile(zplan.save_profile(p, tmp_path / f"{name}.yaml", header="a header\nof two lines"))
         assert back == p, name
-    p = _profile(host_memory_bytes=math.inf, compute_slots=3, sources={"x": "y"})
+    p = _profile(
+        host_memory_bytes=math.inf,
+        compute_slots=3,
+        sources={"x": "y"},
+        collectives_beside={"all_reduce": AlphaBeta(3e-4, 2e9), "all_gather": AlphaBeta(0.0, 5e9)},
+    )
     assert zplan.load_profile(zplan.save_profile(p, tmp_path / "t.yaml")) == p
     h800, h100 = zplan.load_profile("h800_node"), zplan.load_profile("h100_node")
     assert h800.link("intra", "all_reduce").beta < h100.link("intra", "all_reduce").beta  # 400 vs 900 GB/s NVLink
@@ -415,6 +420,8 @@ def test_bad_profiles_and_inputs_name_the_value(tmp_path):
         zplan.load_profile(bad)
     with pytest.raises(ValueError, match="collectives.intra lacks"):
         _profile(collectives={"intra": {}, "inter": {}})
+    with pytest.raises(ValueError, match=r"collectives_beside has \['broadcast'\]; valid ops are \['all_reduce'"):
+        _profile(collectives_beside={"broadcast": AlphaBeta(1e-4, 1e9)})
     with pytest.raises(ValueError, match=r"world=0 is invalid"):
         zplan.enumerate_layouts(5, world=0, batch_size=4)
     with pytest.raises(ValueError, match=r"fixed keys \['pipeline'\]"):
@@ -498,6 +505,43 @@ def test_collectives_overlap_compute_only_with_a_core_to_spare(setting):
     assert _zero3_by_hand(c, costs, waits_hidden=False) > step
     spare = _profile(compute_slots=3)
     assert zplan.predict(r, costs, spare).step_s < step
+
+
+def test_a_collective_beside_compute_costs_the_cores_what_the_profile_measured_beside(setting):
+    """Where every core computes, what an asynchronous gather or reduction costs the ranks is the
+    profile's ``collectives_beside`` (its launch, thread and bytes, timed beside compute), added to
+    its layer; its waits still hide but the last of each chain. By hand on collectives that are
+    waits alone: the step of those waits, plus each gather's and reduction's figure beside."""
+    from zero.plan.terms import _Costing
+
+    costs = setting.costs
+    waits = {op: AlphaBeta(1e-6, math.inf) for op in COLLECTIVES}
+    beside = {
+        "all_reduce": AlphaBeta(3e-4, 2e9),
+        "reduce_scatter": AlphaBeta(5e-4, 1e9),
+        "all_gather": AlphaBeta(2e-4, 4e9),
+    }
+    for stage in (0, 3):
+        r = zplan.LayoutRecord(world=2, batch_size=BATCH, zero_stage=stage)
+        only_waits = _profile(compute_slots=2, collectives={"intra": waits, "inter": waits})
+        cw = _Costing(r, costs, only_waits, None)
+        assert not cw.overlap
+        red_op = "all_reduce" if stage == 0 else "reduce_scatter"
+        extra = 0.0
+        for b in costs.blocks:
+            groups = [n for n in (b.params_dense, b.params_expert) if n > 0]  # dp2 ep1: both over the 2 ranks
+            extra += sum(beside[red_op].time(red_op, n * 4, 2) for n in groups)
+            if stage == 3 and b.shares_params_with is None:  # the forward's gather and the backward's
+                extra += 2 * sum(beside["all_gather"].time("all_gather", n * 4, 2) for n in groups)
+        assert extra > 0
+        by_hand = _zero3_by_hand(cw, costs, waits_hidden=True) + extra
+        measured = _profile(compute_slots=2, collectives={"intra": waits, "inter": waits}, collectives_beside=beside)
+        assert zplan.predict(r, costs, measured).step_s == pytest.approx(by_hand, rel=1e-9), stage
+        # a core to spare: the collectives run on it, and nothing beside is read
+        spare = dict(compute_slots=3, collectives={"intra": waits, "inter": waits})
+        assert zplan.predict(r, costs, _profile(**spare, collectives_beside=beside)).step_s == pytest.approx(
+            zplan.predict(r, costs, _profile(**spare)).step_s, rel=1e-12
+        )
 
 
 def test_a_layer_without_experts_reduces_its_dense_weights_only(setting):

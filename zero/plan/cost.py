@@ -107,13 +107,14 @@ def _stream(compute: list[float], comm: list[float], overlap: bool = True) -> fl
     return t
 
 
-def _beside(compute: list[float], comm: list[float], waits: list[float], overlap: bool) -> float:
+def _beside(compute: list[float], comm: list[float], copies: list[float], waits: list[float], overlap: bool) -> float:
     """``_stream`` of collectives that run beside the compute. Where a core is spare (``overlap``)
-    they run on it; where none is, a collective's copies take the computing cores' time beside
-    its layer's and only its waits (``waits``: its α steps, gloo's thread asleep) overlap."""
+    they run on it (``comm``: their whole times); where none is, what a collective costs the
+    computing cores (``copies``: its bytes, launch and thread's work) adds to its layer's compute
+    and only its waits (``waits``: its α steps, gloo's thread asleep) overlap."""
     if overlap:
         return _stream(compute, comm, True)
-    return _stream([c + t - w for c, t, w in zip(compute, comm, waits)], waits, True)
+    return _stream([c + x for c, x in zip(compute, copies)], waits, True)
 
 
 def _overlapped_reduction(compute_rev: list[float], reduce_rev: list[float]) -> float:
@@ -144,7 +145,9 @@ def predict(
     stages = [(0, L)] if plan is None else list(plan.ranges)
 
     # per layer: passes, communication, memory per token
-    comp, moe, gath, red, gath2, gath_wait, gath2_wait, red_wait = _layer_terms(cst)
+    terms = _layer_terms(cst)
+    comp, moe, gath, red, gath2 = terms.comp, terms.moe, terms.gath, terms.red, terms.gath2
+    gath_wait, gath2_wait, gath_copy, gath2_copy = terms.gath_wait, terms.gath2_wait, terms.gath_copy, terms.gath2_copy
 
     def layer_f(j):
         return comp[j]["F"] + moe[j]["F"]
@@ -298,13 +301,14 @@ def predict(
         b_c = [layer_i(j) + layer_w(j) for j in layers][::-1]
         g, g2 = [gath[j] for j in layers], [gath2[j] for j in layers]
         gw, g2w = [gath_wait[j] for j in layers], [gath2_wait[j] for j in layers]
+        gc, g2c = [gath_copy[j] for j in layers], [gath2_copy[j] for j in layers]
         z3 = rec.zero_stage == 3
         # the step's first forward gathers from the primary partition; the backwards and the later
         # forwards gather again (under hpZ from the secondary one, inside the node)
         ov = cst.overlap
-        fwd = _beside(f_c, g, gw, ov) if z3 else sum(f_c)
-        fwd_again = _beside(f_c, g2, g2w, ov) if z3 else sum(f_c)
-        bwd = _beside(b_c, g2[::-1], g2w[::-1], ov) if z3 else sum(b_c)
+        fwd = _beside(f_c, g, gc, gw, ov) if z3 else sum(f_c)
+        fwd_again = _beside(f_c, g2, g2c, g2w, ov) if z3 else sum(f_c)
+        bwd = _beside(b_c, g2[::-1], g2c[::-1], g2w[::-1], ov) if z3 else sum(b_c)
         # the last micro-batch's backward overlaps each layer's reduction with the layers before it
         r_rev = [red[j] for j in layers][::-1]
         if rec.dp == 1:
@@ -312,12 +316,12 @@ def predict(
         elif ov:
             last_bwd = max(bwd, _overlapped_reduction(b_c, r_rev))
         else:
-            # gloo's threads take each reduction's copies from the computing cores, and its waits
-            # (α steps, asleep) overlap the layers still to run: what the backward's compute
-            # gains is the copies and the waits left after it
-            w_rev = [red_wait[j] for j in layers][::-1]
-            copies = [c + r - w for c, r, w in zip(b_c, r_rev, w_rev)]
-            last_bwd = bwd + _overlapped_reduction(copies, w_rev) - sum(b_c)
+            # what each reduction costs the computing cores adds to its layer's backward, and its
+            # waits (α steps, gloo's thread asleep) overlap the layers still to run: the backward
+            # gains those costs and the waits left after it
+            w_rev = [terms.red_wait[j] for j in layers][::-1]
+            own = [c + terms.red_copy[j] for c, j in zip(b_c, layers[::-1])]
+            last_bwd = bwd + _overlapped_reduction(own, w_rev) - sum(b_c)
         pipeline = fwd + (rec.grad_accum - 1) * (fwd_again + bwd) + last_bwd
         forward = fwd + (rec.grad_accum - 1) * fwd_again
         tp.update(forward=forward, backward=rec.grad_accum * bwd, reduction_exposed=last_bwd - bwd)
@@ -368,6 +372,7 @@ def predict(
                     s: _beside(
                         [layer_f(j) for j in range(*stages[s])],
                         [gath[j] for j in range(*stages[s])],
+                        [gath_copy[j] for j in range(*stages[s])],
                         [gath_wait[j] for j in range(*stages[s])],
                         cst.overlap,
                     )

@@ -145,6 +145,13 @@ class Profile:
     # gathers into a buffer of its own before copying out; NCCL works in place): each such
     # collective in flight holds one more full-size copy of its tensor
     collective_copies: bool = False
+    # what an asynchronous collective takes from the computing cores where every core computes (a
+    # CPU's gloo ranks) and it runs beside compute (ZeRO-3's prefetched gathers, the reductions
+    # launched as the backward goes): per op, the process's CPU seconds per call (its launch,
+    # gloo's worker, the system calls that copy its bytes), α per ring step and β, fitted like the
+    # collectives' times (experiments.calibrate.measure_collectives); its waits, asleep, take
+    # none. An op without one: its bytes alone (the collective's time less its α steps)
+    collectives_beside: dict[str, AlphaBeta] = field(default_factory=dict)
     notes: str = ""
     sources: dict[str, str] = field(default_factory=dict)  # field -> where its value comes from
 
@@ -155,6 +162,9 @@ class Profile:
             missing = [op for op in COLLECTIVES if op not in self.collectives.get(tier, {})]
             if missing:
                 raise ValueError(f"profile {self.name}: collectives.{tier} lacks {missing} (needs {list(COLLECTIVES)})")
+        odd = sorted(set(self.collectives_beside) - set(COLLECTIVES))
+        if odd:
+            raise ValueError(f"profile {self.name}: collectives_beside has {odd}; valid ops are {list(COLLECTIVES)}")
         if not self.matmul_flops or any(not rows for rows in self.matmul_flops.values()):
             raise ValueError(f"profile {self.name}: matmul_flops needs [[n, flop_s], ...] for at least one dtype")
         # the points matmul_rate interpolates between, in log space, once (the profile is frozen)
@@ -254,6 +264,9 @@ class Profile:
             t: {op: {"alpha": ab.alpha, "beta": ab.beta} for op, ab in ops.items()}
             for t, ops in self.collectives.items()
         }
+        out["collectives_beside"] = {
+            op: {"alpha": ab.alpha, "beta": ab.beta} for op, ab in self.collectives_beside.items()
+        }
         for key in ("host_memory_bytes", "host_link_bandwidth", "host_adam_params_per_s"):
             if math.isinf(out[key]):
                 out[key] = None
@@ -269,6 +282,9 @@ class Profile:
         d["collectives"] = {
             t: {op: AlphaBeta(float(v["alpha"]), float(v["beta"])) for op, v in ops.items()}
             for t, ops in (d.get("collectives") or {}).items()
+        }
+        d["collectives_beside"] = {
+            op: AlphaBeta(float(v["alpha"]), float(v["beta"])) for op, v in (d.get("collectives_beside") or {}).items()
         }
         for key in ("host_memory_bytes", "host_link_bandwidth", "host_adam_params_per_s"):
             if d.get(key) is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from .enumerate import LayoutRecord
 from .profile import AlphaBeta, Profile, bus_factor, steps
@@ -377,7 +378,48 @@ def latency_profile(profile: Profile) -> Profile:
 _LATENCY: dict = {}
 
 
-def _layer_terms(cst: _Costing):
+def beside_profile(profile: Profile) -> Profile:
+    """``profile`` with each collective's time what it costs the computing cores beside compute
+    (``collectives_beside``; an op without one: its bytes alone, β) and the memory bandwidth kept
+    (qgZ's quantizing passes are the cores' work)."""
+    hit = _BESIDE.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    bes = profile.collectives_beside
+    links = {
+        t: {op: bes.get(op) or AlphaBeta(0.0, ab.beta) for op, ab in ops.items()}
+        for t, ops in profile.collectives.items()
+    }
+    out = dataclasses.replace(profile, collectives=links)
+    if len(_BESIDE) > 64:
+        _BESIDE.clear()
+    _BESIDE[id(profile)] = (profile, out)
+    return out
+
+
+_BESIDE: dict = {}
+
+
+class _Terms(NamedTuple):
+    """Per layer: its passes' compute, its MoE layer's exchanges, ZeRO-3's gathers (the first
+    and the later ones), its gradient reduction; where no core is spare, the waits (α steps) of
+    each collective that runs beside the compute and what it costs the cores (``beside_profile``);
+    where one is, those are the collectives' whole times (not read)."""
+
+    comp: list
+    moe: list
+    gath: list
+    red: list
+    gath2: list
+    gath_wait: list
+    gath2_wait: list
+    red_wait: list
+    gath_copy: list
+    gath2_copy: list
+    red_copy: list
+
+
+def _layer_terms(cst: _Costing) -> _Terms:
     rec = cst.rec
     key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.micro_rows, rec.zero_stage)
     key += (rec.mixed_precision, cst.skew, rec.zero_hpz, rec.zero_qwz, rec.zero_qgz, rec.zero_qgz_bits)
@@ -393,11 +435,15 @@ def _layer_terms(cst: _Costing):
     # take the cores' time, their waits do not (predict); where one is, the waits are not read
     if cst.overlap:
         waits, waits2, red_waits = gath, gath2, red
+        copies, copies2, red_copies = gath, gath2, red
     else:
         lat = _Costing(rec, cst.costs, latency_profile(cst.profile), cst.skew, cst.time_skew)
         waits, waits2 = [lat.gather(b) for b in blocks], [lat.gather_again(b) for b in blocks]
         red_waits = [lat.reduce(b) for b in blocks]
-    terms = (
+        bes = _Costing(rec, cst.costs, beside_profile(cst.profile), cst.skew, cst.time_skew)
+        copies, copies2 = [bes.gather(b) for b in blocks], [bes.gather_again(b) for b in blocks]
+        red_copies = [bes.reduce(b) for b in blocks]
+    terms = _Terms(
         [cst.compute(b) for b in blocks],
         [cst.moe_comm(b) for b in blocks],
         gath,
@@ -406,6 +452,9 @@ def _layer_terms(cst: _Costing):
         waits,
         waits2,
         red_waits,
+        copies,
+        copies2,
+        red_copies,
     )
     if len(_TERMS) > 4096:
         _TERMS.clear()
