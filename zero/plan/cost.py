@@ -59,8 +59,9 @@ computes (max per block, the first gather exposed); gradient reductions start pe
 its gradients are complete (overlapping the rest of that backward) without a pipeline, and after a
 rank's last backward with one (``Pipeline`` calls ``start_reduction``); where every core computes,
 what a gather or reduction takes from the cores (``Profile.collectives_beside``: its CPU seconds
-per call; else its bytes) adds to the layer it runs beside and only its waits (its α steps) overlap; the MoE layer's
-All-to-All, its statistics all-reduce and the capacity gather are synchronous (summed). The
+per call; else its bytes) adds to the layer it runs beside and only its waits (its α steps)
+overlap; the MoE layer's All-to-All, its statistics all-reduce and the capacity gather are
+synchronous (summed). The
 pipeline's length comes from simulating the schedule's own order with each stage's forward,
 backward-input and backward-weight durations and the point-to-point time of an activation between
 ranks: a wait between them where something else moves the bytes (a GPU, a spare core), and work
