@@ -360,43 +360,49 @@ class _Costing:
 _TERMS: dict = {}
 
 
-def latency_profile(profile: Profile) -> Profile:
-    """``profile`` with every link's β and the memory bandwidth infinite: a collective's time on it
-    is its α steps alone (its waits), where the rest of its time is bytes the cores copy."""
-    hit = _LATENCY.get(id(profile))
+def _derived(profile: Profile, cache: dict, make) -> Profile:
+    """``make(profile)``, once per profile object (its id is held with it, so it cannot be reused
+    while the entry lives): thousands of layouts are predicted on one profile."""
+    hit = cache.get(id(profile))
     if hit is not None and hit[0] is profile:
         return hit[1]
-    inf = float("inf")
-    links = {t: {op: AlphaBeta(ab.alpha, inf) for op, ab in ops.items()} for t, ops in profile.collectives.items()}
-    out = dataclasses.replace(profile, collectives=links, memory_bandwidth=inf)
-    if len(_LATENCY) > 64:
-        _LATENCY.clear()
-    _LATENCY[id(profile)] = (profile, out)
+    out = make(profile)
+    if len(cache) > 64:
+        cache.clear()
+    cache[id(profile)] = (profile, out)
     return out
 
 
-_LATENCY: dict = {}
+def latency_profile(profile: Profile) -> Profile:
+    """``profile`` with every link's β and the memory bandwidth infinite: a collective's time on it
+    is its α steps alone (its waits), where the rest of its time is bytes the cores copy."""
+
+    def make(p: Profile) -> Profile:
+        inf = float("inf")
+        links = {t: {op: AlphaBeta(ab.alpha, inf) for op, ab in ops.items()} for t, ops in p.collectives.items()}
+        return dataclasses.replace(p, collectives=links, memory_bandwidth=inf)
+
+    return _derived(profile, _LATENCY, make)
 
 
 def beside_profile(profile: Profile) -> Profile:
     """``profile`` with each collective's time what it costs the computing cores beside compute
     (``collectives_beside``; an op without one: its bytes alone, β) and the memory bandwidth kept
     (qgZ's quantizing passes are the cores' work)."""
-    hit = _BESIDE.get(id(profile))
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    bes = profile.collectives_beside
-    links = {
-        t: {op: bes.get(op) or AlphaBeta(0.0, ab.beta) for op, ab in ops.items()}
-        for t, ops in profile.collectives.items()
-    }
-    out = dataclasses.replace(profile, collectives=links)
-    if len(_BESIDE) > 64:
-        _BESIDE.clear()
-    _BESIDE[id(profile)] = (profile, out)
-    return out
+
+    def make(p: Profile) -> Profile:
+        bes = p.collectives_beside
+
+        def beside(op: str, ab: AlphaBeta) -> AlphaBeta:
+            return bes.get(op) or AlphaBeta(0.0, ab.beta)
+
+        links = {t: {op: beside(op, ab) for op, ab in ops.items()} for t, ops in p.collectives.items()}
+        return dataclasses.replace(p, collectives=links)
+
+    return _derived(profile, _BESIDE, make)
 
 
+_LATENCY: dict = {}
 _BESIDE: dict = {}
 
 
