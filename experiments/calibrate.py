@@ -12,6 +12,7 @@ measurements (3 on a CPU, 1 on a GPU). ``experiments.plan`` (the planner's CLI) 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import os
@@ -575,9 +576,9 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bo
         full = torch.ones(n, device=device)
         part = torch.ones(n // world, device=device)
         ops = {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "reduce_scatter": lambda: reduce_scatter_into(part, full, None),
-            "all_gather": lambda: all_gather_into(full, part, None),
+            "all_reduce": lambda async_op=False: dist.all_reduce(full, async_op=async_op),
+            "reduce_scatter": lambda async_op=False: reduce_scatter_into(part, full, None, async_op=async_op),
+            "all_gather": lambda async_op=False: all_gather_into(full, part, None, async_op=async_op),
             "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
             "p2p": lambda: pingpong(full),
         }
@@ -608,11 +609,7 @@ def _coll_worker(rank: int, world: int, port: int, backend: str, sizes, busy: bo
             res[op].append(max(t, 1e-7))
         if busy:
             for op in BESIDE_OPS:
-                async_fn = {
-                    "all_reduce": lambda: dist.all_reduce(full, async_op=True),
-                    "reduce_scatter": lambda: reduce_scatter_into(part, full, None, async_op=True),
-                    "all_gather": lambda: all_gather_into(full, part, None, async_op=True),
-                }[op]
+                async_fn = functools.partial(ops[op], async_op=True)
                 async_fn().wait()  # warm
                 reps = 20 if nbytes <= (1 << 20) else 5
                 beside[op].append(cpu_per_call(async_fn, reps, 3, dist.barrier))
@@ -883,13 +880,13 @@ def run_calibrate(argv: list[str]) -> int:
     header = f"{name}: measured {time.strftime('%Y-%m-%d')} by python -m experiments.plan --calibrate"
     if raw:
         where = ", between computing ranks" if coll["busy"] else ""
-        header += f"\nraw collective timings (bytes, seconds), 2 ranks{where}:\n" + "\n".join(
-            f"  {op}: " + ", ".join(f"({s}, {t:.3g})" for s, t in pts) for op, pts in raw.items()
-        )
+
+        def lines(by_op: dict) -> str:
+            return "\n".join(f"  {op}: " + ", ".join(f"({s}, {t:.3g})" for s, t in pts) for op, pts in by_op.items())
+
+        header += f"\nraw collective timings (bytes, seconds), 2 ranks{where}:\n" + lines(raw)
         if coll["beside"]:
-            header += "\nasynchronous, a rank's CPU seconds per call:\n" + "\n".join(
-                f"  {op}: " + ", ".join(f"({s}, {t:.3g})" for s, t in pts) for op, pts in coll["beside"].items()
-            )
+            header += "\nasynchronous, a rank's CPU seconds per call:\n" + lines(coll["beside"])
     zplan.save_profile(profile, out, header=header)
     print(f"wrote {out}")
     return 0
