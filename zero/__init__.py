@@ -6,11 +6,13 @@ from .admission import check_elementwise
 from .engine import ZeroEngine
 from .flat import ParamSlice
 from .layout import (
+    EP_DISPATCH,
     Layout,
     check_same_on_all_ranks,
     init_distributed,
     join_process_group,
     slurm_environment,
+    validate_ep_dispatch,
     validate_layout,
     validate_node_size,
 )
@@ -20,6 +22,8 @@ __all__ = [
     "Layout",
     "validate_layout",
     "validate_node_size",
+    "validate_ep_dispatch",
+    "EP_DISPATCH",
     "init_distributed",
     "slurm_environment",
     "join_process_group",

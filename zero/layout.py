@@ -9,7 +9,9 @@ agent consecutively; ``node_size`` defaults to its ``LOCAL_WORLD_SIZE``). A dp o
 members sit k to a node on n nodes has two sub-groups for ZeRO++ (``zero.zeropp``): its intra-node
 part (this rank's node's k members; hpZ's secondary partition, qgZ's first all-to-all) and its
 inter-node part (the n members at this rank's position on each node; qgZ's second all-to-all).
-``zero.comm`` counts every collective's bytes by the same tiers.
+``zero.comm`` counts every collective's bytes by the same tiers. With ``ep_dispatch="node"`` an ep
+group spanning whole nodes has the same two parts (``ep_intra_group``, ``ep_inter_group``), which
+``moe.dispatch.NodeDispatcher`` sends each token over once per node it needs.
 
 A group of one process is ``None`` (the single-process path), never a module global: pass the layout
 (or its groups) to whoever needs them.
@@ -47,6 +49,30 @@ def validate_layout(world: int, pp: int = 1, ep: int = 1, num_experts: int | Non
             f"ep={ep} does not divide num_experts={num_experts}; each rank must hold the same number of experts"
         )
     return dp
+
+
+EP_DISPATCH = ("flat", "node")
+
+
+def validate_ep_dispatch(ep_dispatch, ep: int, node_size: int, source: str = "ep_dispatch") -> str:
+    """Check the MoE dispatch against the layout before any collective; ``source`` names the key.
+
+    ``flat``: one All-to-All over the ep group, a row for every routed slot. ``node``: each token
+    crosses to a node at most once (then to its experts inside the node), so the ep group must span
+    two or more whole nodes: ep a multiple of ``node_size`` and larger than it (ep groups are ep
+    consecutive ranks starting at multiples of ep, hence on node boundaries)."""
+    if ep_dispatch not in EP_DISPATCH:
+        raise ValueError(
+            f"{source}={ep_dispatch!r} is invalid: expected 'flat' (one All-to-All, a row per routed slot) or "
+            f"'node' (a token crosses to each node it needs once)"
+        )
+    if ep_dispatch == "node" and not (ep > node_size and ep % node_size == 0):
+        raise ValueError(
+            f"{source}=node needs each ep group to span two or more whole nodes (ep a multiple of node_size and "
+            f"larger than it); got ep={ep}, node_size={node_size}: use {source}=flat, or an ep among "
+            f"{[node_size * m for m in range(2, 5)]}..."
+        )
+    return ep_dispatch
 
 
 def validate_node_size(world: int, node_size, source: str = "node_size") -> int:
@@ -91,6 +117,11 @@ class Layout:
     dp_inter_group: object = None
     edp_intra_group: object = None
     edp_inter_group: object = None
+    # ep_dispatch="node" (validate_ep_dispatch): the ep group's members on this rank's node (None:
+    # this rank alone) and the members at this rank's position on each node the group spans
+    ep_dispatch: str = "flat"
+    ep_intra_group: object = None
+    ep_inter_group: object = None
 
     @property
     def edp(self) -> int:
@@ -152,6 +183,7 @@ class Layout:
         num_experts: int | None = None,
         timeout_s: float | None = None,
         node_size: int | None = None,
+        ep_dispatch: str = "flat",
     ) -> Layout:
         """Create every group from the initialised default process group (all ranks must call).
 
@@ -161,11 +193,13 @@ class Layout:
         would leave its peers waiting torch's 30 minutes.
 
         ``node_size``: ranks per node (default: ``LOCAL_WORLD_SIZE`` from torchrun's environment, else
-        the whole world as one node); it must divide the world size."""
+        the whole world as one node); it must divide the world size. ``ep_dispatch``: ``flat`` or
+        ``node`` (``validate_ep_dispatch``; ``node`` builds the ep group's node sub-groups)."""
         if not dist.is_initialized():
             validate_layout(1, pp, ep, num_experts)
             if node_size is not None:
                 validate_node_size(1, node_size)
+            validate_ep_dispatch(ep_dispatch, ep, 1 if node_size is None else node_size)
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
         if node_size is None:
@@ -173,6 +207,7 @@ class Layout:
             node_size = validate_node_size(world, int(local), "LOCAL_WORLD_SIZE") if local.isdigit() else world
         validate_node_size(world, node_size)
         dp = validate_layout(world, pp, ep, num_experts)
+        validate_ep_dispatch(ep_dispatch, ep, node_size)
         timeout_s = _collective_timeout_s if timeout_s is None else timeout_s
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
@@ -181,7 +216,7 @@ class Layout:
         def new_group(ranks):
             return dist.new_group(ranks, timeout=timeout)
 
-        layout = cls(world=world, rank=rank, pp=pp, dp=dp, ep=ep, node_size=node_size)
+        layout = cls(world=world, rank=rank, pp=pp, dp=dp, ep=ep, node_size=node_size, ep_dispatch=ep_dispatch)
         # every rank creates every group, in the same order (a torch.distributed requirement)
         for stage in range(pp):
             base = stage * dp
@@ -217,6 +252,13 @@ class Layout:
                 sub = tier if ep == 1 else _node_tier(new_group, ranks, node_size, rank, layout.edp_group)
                 if rank in ranks:
                     layout.edp_intra_group, layout.edp_inter_group = sub
+            if ep_dispatch == "node":
+                for start in range(0, dp, ep):
+                    ranks = list(range(base + start, base + start + ep))
+                    mine = layout.ep_group if rank in ranks else None
+                    sub = _node_tier(new_group, ranks, node_size, rank, mine)
+                    if rank in ranks:
+                        layout.ep_intra_group, layout.ep_inter_group = sub
         return layout
 
     def describe(self) -> str:

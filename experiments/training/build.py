@@ -38,10 +38,12 @@ def build_layout(pcfg, num_experts: int | None = None) -> zero.Layout:
             num_experts=num_experts,
             timeout_s=float(pcfg.timeout_s),
             node_size=None if node_size is None else int(node_size),
+            ep_dispatch=str(pcfg.get("ep_dispatch", "flat")),
         )
     zero.validate_layout(1, int(pcfg.pp), int(pcfg.ep), num_experts)  # names the numbers when ep > 1 on one process
     if node_size is not None:
         zero.validate_node_size(1, node_size, "parallel.node_size")
+    zero.validate_ep_dispatch(pcfg.get("ep_dispatch", "flat"), int(pcfg.ep), node_size or 1, "parallel.ep_dispatch")
     return zero.Layout.single()
 
 

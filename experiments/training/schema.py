@@ -161,6 +161,9 @@ class TrainLoopConfig:
 @dataclass
 class ParallelConfig:
     ep: int = 1  # expert-parallel size: ranks that together hold all experts (divides dp)
+    # flat: one All-to-All over the ep group, a row per routed slot | node: each token crosses to a
+    # node at most once, then to its experts inside the node (ep a multiple of node_size, > node_size)
+    ep_dispatch: str = "flat"
     pp: int = 1  # pipeline stages: world = pp x dp; each stage a run of layers (embedding, blocks, head)
     pp_schedule: str = (
         "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev (torch.distributed.pipelining)
