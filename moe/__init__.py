@@ -3,7 +3,7 @@
 from routing_kernels.runtime import is_expert_param
 
 from .config import MoEConfig
-from .dispatch import AllToAllDispatcher, LocalDispatcher
+from .dispatch import AllToAllDispatcher, LocalDispatcher, NodeDispatcher
 from .experts import DenseFFN, GroupedExperts
 from .layer import MoELayer, MoEStats, moe_layers, scale_aux_losses, update_expert_biases
 from .losses import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
@@ -20,6 +20,7 @@ __all__ = [
     "DenseFFN",
     "LocalDispatcher",
     "AllToAllDispatcher",
+    "NodeDispatcher",
     "load_balancing_loss",
     "sequence_load_balancing_loss",
     "router_z_loss",

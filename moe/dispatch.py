@@ -6,9 +6,10 @@ group, S rows in expert order.
 
 Local: routing metadata, then the experts in tokens mode (``routing_kernels.expert_ffn`` permutes,
 runs every expert and combines). All-to-All: metadata, permute into global expert order, exchange
-counts and rows, the local experts in rows mode, the reverse exchange, combine. Rows are never
-padded to a capacity: split sizes are the real counts, so a dropless layer moves only the rows it
-routes.
+counts and rows, the local experts in rows mode, the reverse exchange, combine. Node: each token
+crosses to a node at most once, then to its experts inside the node (``NodeDispatcher``). Rows are
+never padded to a capacity: split sizes are the real counts, so a dropless layer moves only the rows
+it routes.
 """
 
 from __future__ import annotations
@@ -98,21 +99,97 @@ class AllToAllDispatcher:
     # break per expert-parallel MoE layer, torch.compiler.disable in __init__); it runs eagerly,
     # local experts included.
     def _exchange(self, x_TD, counts_E, dest_TK, weights_TK, experts: GroupedExperts):
-        R = group_size(self.group)
+        return _flat_exchange(self.group, x_TD, counts_E, dest_TK, weights_TK, experts)
+
+
+def _flat_exchange(group, x_TD, counts_E, dest_TK, weights_TK, experts: GroupedExperts):
+    """Tokens ``x_TD`` to the experts of ``group``'s ranks (``counts_E`` over the group's experts,
+    rank r's the r-th ``experts.num_local``) and their outputs back, combined with ``weights_TK``."""
+    R = group_size(group)
+    X = experts.num_local
+    # 1. exchange counts: recv_RX[r, x] = rows rank r sends to my local expert x
+    send_RX = counts_E.view(R, X)
+    recv_RX = torch.empty_like(send_RX)
+    torch.distributed.all_to_all_single(recv_RX, send_RX.contiguous(), group=group)
+    send_splits = send_RX.sum(1).tolist()
+    recv_splits = recv_RX.sum(1).tolist()
+    # 2. rows in global-expert order are already grouped by destination rank
+    x_SD = rk.permute(x_TD, dest_TK, sum(send_splits))
+    x_recv = all_to_all(x_SD, recv_splits, send_splits, group)
+    # 3. [source rank][local expert] -> [local expert][source rank]; within an expert the rows
+    # then follow global token order, as in the single-process layer
+    x_local = _Gather.apply(x_recv, _chunk_order(recv_RX, by_rank_first=True))
+    y_local = experts(x_local, recv_RX.sum(0))
+    y_recv = _Gather.apply(y_local, _chunk_order(recv_RX, by_rank_first=False))
+    y_SD = all_to_all(y_recv, send_splits, recv_splits, group)
+    return rk.unpermute_combine(y_SD, dest_TK, weights_TK.to(y_SD.dtype))
+
+
+class NodeDispatcher:
+    """Experts over ``ep_group`` as in ``AllToAllDispatcher``, its R ranks on N nodes of L each
+    (group rank = node * L + position); ``intra_group``: this rank's node's members (None when
+    L = 1), ``inter_group``: the members at this rank's position on every node.
+
+    Each token crosses to a node at most once, however many of its experts the node holds (DeepSeek-V3's
+    node-limited dispatch; with group-limited routing whose groups are nodes, at most
+    ``topk_groups`` nodes): an All-to-All over ``inter_group`` sends the token's row to the
+    member at this rank's position on each node it needs, with the ids and weights of its slots
+    there; inside the node ``_flat_exchange`` over ``intra_group`` takes the rows to their experts
+    and returns them combined with those weights, one row per token and node, which the reverse
+    inter exchange brings home to be summed. The flat dispatcher moves a row per slot over the
+    links that leave a node; this one a row per node. Same values as the flat one: each token's
+    output is its slots' weighted sum, summed node by node (float rounding aside)."""
+
+    def __init__(self, ep_group, intra_group, inter_group):
+        self.group, self.intra, self.inter = ep_group, intra_group, inter_group
+        self._exchange = torch.compiler.disable(self._exchange)  # as AllToAllDispatcher's
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: GroupedExperts, max_kept: int | None = None):
+        R, N, L = group_size(self.group), group_size(self.inter), group_size(self.intra)
         X = experts.num_local
-        # 1. exchange counts: recv_RX[r, x] = rows rank r sends to my local expert x
-        send_RX = counts_E.view(R, X)
-        recv_RX = torch.empty_like(send_RX)
-        torch.distributed.all_to_all_single(recv_RX, send_RX.contiguous(), group=self.group)
-        send_splits = send_RX.sum(1).tolist()
-        recv_splits = recv_RX.sum(1).tolist()
-        # 2. rows in global-expert order are already grouped by destination rank
-        x_SD = rk.permute(x_TD, dest_TK, sum(send_splits))
-        x_recv = all_to_all(x_SD, recv_splits, send_splits, self.group)
-        # 3. [source rank][local expert] -> [local expert][source rank]; within an expert the rows
-        # then follow global token order, as in the single-process layer
-        x_local = _Gather.apply(x_recv, _chunk_order(recv_RX, by_rank_first=True))
-        y_local = experts(x_local, recv_RX.sum(0))
-        y_recv = _Gather.apply(y_local, _chunk_order(recv_RX, by_rank_first=False))
-        y_SD = all_to_all(y_recv, send_splits, recv_splits, self.group)
-        return rk.unpermute_combine(y_SD, dest_TK, weights_TK.to(y_SD.dtype))
+        me = group_rank(self.group)
+        node, pos = group_rank(self.inter), group_rank(self.intra)
+        if N * L != R or me != node * L + pos or N < 2:
+            raise ValueError(
+                f"ep group of {R} ranks (this one {me}) with node sub-groups of {L} (position {pos}) and {N} "
+                f"(node {node}): expected N >= 2 nodes of L members, N * L = R, rank = node * L + position"
+            )
+        if experts.num_global != X * R or experts.expert_offset != me * X:
+            raise ValueError(
+                f"experts hold [{experts.expert_offset}, +{X}) of {experts.num_global}; "
+                f"expected rank {me} of {R} to hold [{me * X}, +{X}) of {X * R}"
+            )
+        return self._exchange(x_TD, expert_ids_TK, weights_TK, experts)
+
+    def _exchange(self, x_TD, expert_ids_TK, weights_TK, experts: GroupedExperts):
+        N, L, X = group_size(self.inter), group_size(self.intra), experts.num_local
+        T = x_TD.shape[0]
+        per_node = L * X
+        ids_TK = expert_ids_TK.long()
+        node_TK = torch.where(ids_TK >= 0, ids_TK // per_node, -1)  # dropped slots (-1) go nowhere
+        # need_NT[n, t]: token t has a slot on node n; its nonzeros in row-major order are the rows
+        # to send, by node, in token order within each
+        need_NT = torch.zeros(N, T + 1, dtype=torch.bool, device=x_TD.device)
+        token_TK = torch.arange(T, device=x_TD.device)[:, None].expand_as(node_TK)
+        need_NT[node_TK.clamp(min=0), torch.where(node_TK >= 0, token_TK, T)] = True
+        dest_M, tok_M = need_NT[:, :T].nonzero(as_tuple=True)
+        send_N = torch.bincount(dest_M, minlength=N)
+        recv_N = torch.empty_like(send_N)
+        torch.distributed.all_to_all_single(recv_N, send_N, group=self.inter)
+        send_splits, recv_splits = send_N.tolist(), recv_N.tolist()
+        # each row's slots on its node: their ids within the node, the rest dropped (weight 0)
+        on_MK = node_TK.index_select(0, tok_M) == dest_M[:, None]
+        ids_MK = torch.where(on_MK, ids_TK.index_select(0, tok_M) - dest_M[:, None] * per_node, -1)
+        w_MK = torch.where(on_MK, weights_TK.index_select(0, tok_M), 0.0)
+        x_recv = all_to_all(x_TD.index_select(0, tok_M), recv_splits, send_splits, self.inter)
+        w_recv = all_to_all(w_MK, recv_splits, send_splits, self.inter)
+        ids_recv = ids_MK.new_empty((sum(recv_splits), ids_MK.shape[1]))
+        torch.distributed.all_to_all_single(ids_recv, ids_MK, recv_splits, send_splits, group=self.inter)
+        if L == 1:  # the node is this rank: its experts in tokens mode
+            counts_X, _, dest_RK = rk.routing_metadata(ids_recv, X)
+            y_recv = experts(x_recv, counts_X, dest_TK=dest_RK, weights_TK=w_recv.to(x_recv.dtype))
+        else:
+            counts_E, _, dest_RK = rk.routing_metadata(ids_recv, per_node)
+            y_recv = _flat_exchange(self.intra, x_recv, counts_E, dest_RK, w_recv, experts)
+        y_M = all_to_all(y_recv, send_splits, recv_splits, self.inter)
+        return torch.zeros_like(x_TD, dtype=y_M.dtype).index_add(0, tok_M, y_M)

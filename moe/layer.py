@@ -19,7 +19,7 @@ import torch.nn as nn
 from routing_kernels.runtime import all_reduce_sum, first_pass_weight, group_size
 
 from .config import MoEConfig
-from .dispatch import AllToAllDispatcher, LocalDispatcher
+from .dispatch import AllToAllDispatcher, LocalDispatcher, NodeDispatcher
 from .experts import DenseFFN, GroupedExperts
 from .losses import load_balancing_loss, router_z_loss, routing_entropy, sequence_load_balancing_loss
 from .router import Router
@@ -78,10 +78,12 @@ class MoELayer(nn.Module):
 
     ``ep_group``: the expert-parallel group; each of its R ranks holds E/R experts and tokens cross
     it by All-to-All. ``dp_group``: the data-parallel group over which balancing statistics are
-    reduced (global-batch balancing). ``None`` means one process for either.
+    reduced (global-batch balancing). ``None`` means one process for either. ``ep_node_groups``:
+    ``(intra, inter)``, the ep group's sub-groups on this rank's node (None: this rank alone) and
+    across nodes at its position: tokens then cross to each node once (``NodeDispatcher``).
     """
 
-    def __init__(self, cfg: MoEConfig, *, ep_group=None, dp_group=None):
+    def __init__(self, cfg: MoEConfig, *, ep_group=None, dp_group=None, ep_node_groups=None):
         super().__init__()
         self.cfg = cfg
         self.ep_group = ep_group
@@ -105,7 +107,10 @@ class MoELayer(nn.Module):
         # optional module called with the router logits [T, E] on every forward (its output is
         # ignored): a place for forward hooks that record them (e.g. moe.hf's router-logits tap)
         self.router_logits_tap: nn.Module | None = None
-        self.dispatcher = AllToAllDispatcher(ep_group) if ep > 1 else LocalDispatcher()
+        if ep_node_groups is not None and ep > 1:
+            self.dispatcher = NodeDispatcher(ep_group, *ep_node_groups)
+        else:
+            self.dispatcher = AllToAllDispatcher(ep_group) if ep > 1 else LocalDispatcher()
         # multiplies the aux-loss gradient: set to 1/N when the training loss is divided by N
         # (gradient accumulation), see moe.scale_aux_losses
         self.aux_loss_scale = 1.0

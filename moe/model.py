@@ -8,7 +8,8 @@ RMSNorm, rotary positions (``moe.rope``), attention through
 ``torch.nn.functional.scaled_dot_product_attention``. The defaults are the model as it was before
 the open checkpoints' options: multi-head attention, J = D / H, half-split rotary, no scaling, no
 biases, ``is_causal=True``. Process groups are arguments: pass ``ep_group``/``dp_group`` or any
-object carrying them (a ``zero.Layout``); ``None`` is one process.
+object carrying them (a ``zero.Layout``; with its ``ep_dispatch="node"``, its ep node sub-groups
+too); ``None`` is one process.
 
 The options the open MoE checkpoints need are general config fields (the adapters in ``moe/hf``
 map each family onto them):
@@ -42,13 +43,13 @@ __all__ = ["Transformer", "TransformerConfig", "Block", "RMSNorm", "apply_rotary
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig, is_moe: bool, ep_group=None, dp_group=None):
+    def __init__(self, cfg: TransformerConfig, is_moe: bool, ep_group=None, dp_group=None, ep_node_groups=None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = (
-            MoELayer(cfg.moe, ep_group=ep_group, dp_group=dp_group)
+            MoELayer(cfg.moe, ep_group=ep_group, dp_group=dp_group, ep_node_groups=ep_node_groups)
             if is_moe
             else DenseFFN(cfg.d_model, cfg.d_ff, "swiglu")
         )
@@ -68,9 +69,14 @@ class Transformer(nn.Module):
             if ep_group is not None or dp_group is not None:
                 raise ValueError("pass either layout or ep_group/dp_group, not both")
             ep_group, dp_group = getattr(layout, "ep_group", None), getattr(layout, "dp_group", None)
+        tiers = None
+        if layout is not None and getattr(layout, "ep_dispatch", "flat") == "node":
+            tiers = (layout.ep_intra_group, layout.ep_inter_group)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), ep_group, dp_group) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            Block(cfg, cfg.is_moe_block(i), ep_group, dp_group, tiers) for i in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()

@@ -224,7 +224,13 @@ LAYOUTS_2 = [
     (2, ["parallel=ep2", "parallel.zero_stage=2", "parallel.zero_offload=true"]),
     (2, ["parallel=ep2", "parallel.zero_stage=3", "optim.impl=switchyard"]),
 ]
-LAYOUTS_4 = [(2, ["parallel=ep2"]), (2, ["parallel=zero3_ep2"]), (4, ["parallel=ep4", "parallel.zero_stage=2"])]
+LAYOUTS_4 = [
+    (2, ["parallel=ep2"]),
+    (2, ["parallel=zero3_ep2"]),
+    (4, ["parallel=ep4", "parallel.zero_stage=2"]),
+    # two "nodes" of two ranks: each token crosses to the other node once
+    (4, ["parallel=ep4", "parallel.node_size=2", "parallel.ep_dispatch=node", "parallel.zero_stage=3"]),
+]
 LAYOUT_BASE = [*SHORT, "train.steps=3", "train.log_every=1", "train.eval_every=3"]
 
 
@@ -373,6 +379,8 @@ def test_mistyped_overrides_are_named(override, error, match):
         ("parallel.zero_stage=5", r"parallel\.zero_stage=5"),
         ("parallel.zero_offload=true", r"parallel\.zero_offload=true needs parallel\.zero_stage >= 1"),
         ("parallel.ep=2", "ep=2 does not divide dp=1"),
+        ("parallel.ep_dispatch=node", r"parallel\.ep_dispatch=node needs each ep group to span two or more"),
+        ("parallel.ep_dispatch=nodes", r"parallel\.ep_dispatch='nodes' is invalid: expected 'flat'"),
         ("logger.name=tensorboard", "logger.name='tensorboard'"),
     ],
 )

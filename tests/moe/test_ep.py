@@ -144,6 +144,65 @@ def test_ep4_and_ep2_in_dp4_layer_and_training():
     check_same_init([results[r][5] for r in range(4)], train_cfg)
 
 
+NODE_CASES_4 = [
+    # (name, cfg, tokens per rank, skew, ep, node_size)
+    ("dropless_2x2", cfg(), 7, None, 4, 2),
+    ("capacity_2x2", cfg(capacity_factor=0.75, drop_policy="position"), 6, None, 4, 2),
+    # the groups are the nodes: every token goes to one node only
+    ("groups_are_nodes_2x2", cfg(score_func="sigmoid", num_groups=2, topk_groups=1, top_k=3), 6, None, 4, 2),
+    ("all_to_one_node_2x2", cfg(), 5, [0, 1], 4, 2),
+    ("k_equals_E_shared_2x2", cfg(num_experts=4, top_k=4, num_shared_experts=1), 3, None, 4, 2),
+    ("one_token_per_rank_2x2", cfg(), 1, None, 4, 2),
+    # one rank a node: the node's experts run where the token lands (no exchange inside the node)
+    ("dropless_4x1", cfg(), 6, None, 4, 1),
+    ("dropless_ep2_in_dp4_2x1", cfg(), 6, None, 2, 1),
+]
+
+
+@pytest.mark.distributed
+def test_node_dispatch_matches_single_process_and_sends_each_token_to_a_node_once():
+    train_cfg = cfg(d_model=8, d_ff=12, num_experts=4)
+    plan = [
+        # the ep group inside one node, or not whole nodes: refused with the numbers before any group
+        ("bad_layout", dict(ep=2, num_experts=8, node_size=2, ep_dispatch="node")),
+        ("bad_layout", dict(ep=4, num_experts=8, node_size=4, ep_dispatch="node")),
+        ("bad_layout", dict(ep=4, num_experts=8, node_size=2, ep_dispatch="nodes")),
+    ]
+    plan += [
+        ("layer", dict(ep=ep, node_size=ns, dispatch="node", cfg=c, T_local=T, skew=skew))
+        for _, c, T, skew, ep, ns in NODE_CASES_4
+    ]
+    # the flat dispatch of the first case on the same nodes, for its rows off the node
+    plan += [("layer", dict(ep=4, node_size=2, dispatch="flat", cfg=cfg(), T_local=7, skew=None))]
+    plan += [("train", dict(ep=4, node_size=2, dispatch="node", cfg=train_cfg, steps=20, global_bs=16, max_norm=0.5))]
+    raw = run_distributed(ep_rank_fn, 4, plan)
+    for r in raw:
+        assert "ep_dispatch=node" in r[0] and "ep=2, node_size=2" in r[0]
+        assert "ep_dispatch=node" in r[1] and "ep=4, node_size=4" in r[1]
+        assert "ep_dispatch='nodes' is invalid" in r[2] and "'flat'" in r[2]
+    results = [r[3:] for r in raw]
+    for i, (name, c, T, skew, ep, _) in enumerate(NODE_CASES_4):
+        per_rank = [results[r][i] for r in range(4)]
+        try:
+            check_layer(per_rank, reference_layer(c, 4 * T, skew), c.num_experts // ep)
+        except AssertionError as e:
+            raise AssertionError(f"case {name}: {e}") from e
+        # each token crossed to each other node it needs exactly once
+        for r in per_rank:
+            assert r["sent_off_node"] == r["one_per_node"], (name, r["sent_off_node"], r["one_per_node"])
+            assert r["one_per_node"] <= r["slots_off_node"]
+    n = len(NODE_CASES_4)
+    node, flat = [results[r][0] for r in range(4)], [results[r][n] for r in range(4)]
+    # the flat dispatch sends a row per slot; node dispatch fewer, here where a token's two slots share a node
+    assert [r["sent_off_node"] for r in flat] == [r["slots_off_node"] for r in flat]
+    assert sum(r["sent_off_node"] for r in node) < sum(r["sent_off_node"] for r in flat)
+    groups = [results[r][2] for r in range(4)]
+    # 3 slots on one node: a row where the flat dispatch sends 3 (2 or 3: a slot may land on the sender)
+    assert 2 * sum(r["one_per_node"] for r in groups) <= sum(r["slots_off_node"] for r in groups)
+    assert sum(r["one_per_node"] for r in groups) > 0
+    check_training([results[r][n + 1] for r in range(4)], train_cfg, steps=20, global_bs=16, max_norm=0.5)
+
+
 def check_same_init(results, c):
     # a seed gives the same model on every layout: each rank's experts are its slice of the
     # single-process experts, and every other weight (built after the experts) is identical

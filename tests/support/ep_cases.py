@@ -46,13 +46,47 @@ def skew_router(layer: MoELayer, experts: list[int]) -> None:
     # inputs of the skew cases are positive in odd dims, negative in even dims
 
 
+def _node_groups(layout: Layout):
+    return (layout.ep_intra_group, layout.ep_inter_group) if layout.ep_dispatch == "node" else None
+
+
+def _rows_sent_off_node(layout: Layout, calls: list) -> int:
+    """Rows the layer's first All-to-All (the dispatch: over the inter group under
+    ``ep_dispatch="node"``, else the ep group) sent to ranks on other nodes."""
+    x, splits, group = calls[0]
+    ranks = dist.get_process_group_ranks(group)
+    return sum(n for r, n in zip(ranks, splits) if r // layout.node_size != layout.node_rank)
+
+
+def _rows_one_per_node(layout: Layout, expert_ids_TK: torch.Tensor, num_experts: int) -> int:
+    """Naively, what node dispatch must send off-node: each token once to each other node holding
+    one of its kept slots."""
+    per_node = num_experts // (layout.ep // layout.node_size)
+    total = 0
+    for ids in expert_ids_TK.tolist():
+        nodes = {e // per_node for e in ids if e >= 0}
+        total += len(nodes - {layout.node_rank % (layout.ep // layout.node_size)})
+    return total
+
+
 def layer_case(layout: Layout, cfg: MoEConfig, T_local: int, skew: list[int] | None = None):
+    import moe.dispatch
+
     torch.manual_seed(0)
     full = MoELayer(cfg)
     if skew is not None:
         skew_router(full, skew)
-    layer = MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group)
+    layer = MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group, ep_node_groups=_node_groups(layout))
     copy_full_into_sharded(layer, full)
+    routed, calls = [], []
+    layer.router.register_forward_hook(lambda m, a, out: routed.append(out.expert_ids_TK.clone()))
+    original = moe.dispatch.all_to_all
+
+    def recording(x, output_splits, input_splits, group):
+        calls.append((x, list(input_splits), group))
+        return original(x, output_splits, input_splits, group)
+
+    moe.dispatch.all_to_all = recording
     # stage 0: the plain data-parallel reduction (dense mean over dp, experts summed over edp / dp)
     engine = ZeroEngine(layer, layout, stage=0)
     x, _ = global_batch(layout.dp * T_local, cfg.d_model)
@@ -60,7 +94,10 @@ def layer_case(layout: Layout, cfg: MoEConfig, T_local: int, skew: list[int] | N
         x = x.abs() * torch.sign(torch.arange(cfg.d_model) % 2 - 0.5)
     r = layout.dp_rank
     x_local = x[r * T_local : (r + 1) * T_local].clone().requires_grad_(True)
-    y = layer(x_local)
+    try:
+        y = layer(x_local)
+    finally:
+        moe.dispatch.all_to_all = original
     # each rank's loss is the mean over its own tokens; with dp-averaged gradients this is the
     # global mean, the single-process loss
     c = torch.linspace(-1, 1, cfg.d_model)
@@ -73,14 +110,25 @@ def layer_case(layout: Layout, cfg: MoEConfig, T_local: int, skew: list[int] | N
         "grads": engine.full_gradients(),  # what one process would hold on the global batch
         "expert_offset": layer.experts.expert_offset,
         "stats": layer.stats.as_dict(),
+        "sent_off_node": _rows_sent_off_node(layout, calls) if calls else 0,
+        "one_per_node": _rows_one_per_node(layout, routed[0], cfg.num_experts) if layout.ep_dispatch == "node" else 0,
+        "slots_off_node": _rows_one_per_slot_off_node(layout, routed[0], cfg.num_experts) if layout.ep > 1 else 0,
     }
 
 
+def _rows_one_per_slot_off_node(layout: Layout, expert_ids_TK: torch.Tensor, num_experts: int) -> int:
+    """What the flat dispatch sends off-node: a row for each kept slot whose expert lies there."""
+    per_rank = num_experts // layout.ep
+    ep_base = layout.rank - layout.ep_rank
+    owner = [(ep_base + e // per_rank) // layout.node_size for e in range(num_experts)]
+    return sum(1 for ids in expert_ids_TK.tolist() for e in ids if e >= 0 and owner[e] != layout.node_rank)
+
+
 class TinyMoENet(nn.Module):
-    def __init__(self, cfg: MoEConfig, d_in: int, ep_group=None, dp_group=None):
+    def __init__(self, cfg: MoEConfig, d_in: int, ep_group=None, dp_group=None, ep_node_groups=None):
         super().__init__()
         self.inp = nn.Linear(d_in, cfg.d_model)
-        self.moe = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)
+        self.moe = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group, ep_node_groups=ep_node_groups)
         self.out = nn.Linear(cfg.d_model, 1)
 
     def forward(self, x):
@@ -91,7 +139,7 @@ class TinyMoENet(nn.Module):
 def train_case(layout: Layout, cfg: MoEConfig, steps: int, global_bs: int, max_norm: float | None, d_in: int = 8):
     torch.manual_seed(0)
     full = TinyMoENet(cfg, d_in)
-    model = TinyMoENet(cfg, d_in, layout.ep_group, layout.dp_group)
+    model = TinyMoENet(cfg, d_in, layout.ep_group, layout.dp_group, _node_groups(layout))
     copy_full_into_sharded(model, full)
     # the stage-0 engine (plain data parallelism) with the reference's optimizer
     engine = ZeroEngine(
@@ -147,9 +195,11 @@ def ep_rank_fn(rank, world, plan):
             out.append(config_mismatch_fn(rank, world))
             continue
         ep = kw.pop("ep")
-        if ep not in layouts:
-            layouts[ep] = Layout.build(ep=ep)
-        layout = layouts[ep]
+        # ep_dispatch="node" on nodes of node_size ranks (the default: one node, the flat dispatch)
+        key = (ep, kw.pop("node_size", None), kw.pop("dispatch", "flat"))
+        if key not in layouts:
+            layouts[key] = Layout.build(ep=ep, node_size=key[1], ep_dispatch=key[2])
+        layout = layouts[key]
         if kind == "layer":
             out.append(layer_case(layout, **kw))
         elif kind == "train":
@@ -157,9 +207,9 @@ def ep_rank_fn(rank, world, plan):
     return out
 
 
-def bad_layout_fn(rank, world, ep, num_experts):
+def bad_layout_fn(rank, world, ep, num_experts, **kw):
     try:
-        Layout.build(ep=ep, num_experts=num_experts)
+        Layout.build(ep=ep, num_experts=num_experts, **kw)
     except ValueError as e:
         return str(e)
     return None
