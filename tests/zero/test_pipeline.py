@@ -237,7 +237,17 @@ RUNS_2 = [
 # (LMData.get_batch's row order), so the balancing loss, a batch statistic reduced over dp, and the
 # logged aux loss match one process too.
 RUNS_4 = [
-    (["parallel=pp2", "parallel.ep=2", "parallel.pp_microbatches=2"], 2),  # pp=2 x ep=2
+    # pp=2 x ep=2, the ep pair on two one-rank "nodes", each token sent to the other once
+    (
+        [
+            "parallel=pp2",
+            "parallel.ep=2",
+            "parallel.pp_microbatches=2",
+            "parallel.node_size=1",
+            "parallel.ep_dispatch=node",
+        ],
+        2,
+    ),
     (["parallel=pp2_ep2_zero3"], 4),  # pp=2 x dp=2 x ZeRO-3, ep=2
     (
         [
