@@ -177,11 +177,11 @@ def _take_mlp(ffn: DenseFFN, mlp) -> None:
     ffn.w1, ffn.w3, ffn.w2 = mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
-def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELayer:
+def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group, ep_node_groups=None) -> MoELayer:
     cfg = _moe_config(model_type, block)
     device = block.gate.weight.device
     with torch.device("meta"):
-        layer = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group)
+        layer = MoELayer(cfg, ep_group=ep_group, dp_group=dp_group, ep_node_groups=ep_node_groups)
     ex = layer.experts
     lo, hi = ex.expert_offset, ex.expert_offset + ex.num_local
     gate_up = block.experts.gate_up_proj[lo:hi]  # [X, 2F, D]
@@ -208,7 +208,7 @@ def _convert_block(model_type: str, block, tap_cls, ep_group, dp_group) -> MoELa
     return layer
 
 
-def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
+def patch(model: nn.Module, ep_group=None, dp_group=None, ep_node_groups=None) -> nn.Module:
     """Replace, in place, every sparse-MoE block of a transformers model by an ``MoELayer`` holding the
     same weights (the experts copied into our layout, see the module docstring) and the equivalent
     routing; returns ``model``.
@@ -216,7 +216,10 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
     ``ep_group``: the expert-parallel group; each of its R ranks keeps experts
     ``[rank * E/R, (rank + 1) * E/R)`` and tokens cross it by All-to-All, so every
     rank must call ``patch`` on the same model with the same group. ``dp_group``: the data-parallel
-    group over which the layer reduces its routing statistics. None means one process for either."""
+    group over which the layer reduces its routing statistics. None means one process for either.
+    ``ep_node_groups``: ``(intra, inter)``, the ep group's node sub-groups (a ``zero.Layout`` built
+    with ``ep_dispatch="node"``: ``(layout.ep_intra_group, layout.ep_inter_group)``): each token
+    then crosses to a node once (``moe.dispatch.NodeDispatcher``)."""
     import transformers
 
     _check_transformers(transformers.__version__)
@@ -243,7 +246,7 @@ def patch(model: nn.Module, ep_group=None, dp_group=None) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         block = getattr(parent, child)
-        layer = _convert_block(model_type, block, tap_cls, ep_group, dp_group)
+        layer = _convert_block(model_type, block, tap_cls, ep_group, dp_group, ep_node_groups)
         layer._hf_stock_block = (model_type, type(block))  # what ``unpatch`` puts back (not state)
         layer._hf_stock_names = _stock_names(layer, hf_cfg)
         layer._register_load_state_dict_pre_hook(_load_stock_layout, with_module=True)

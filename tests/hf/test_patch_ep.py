@@ -173,8 +173,13 @@ def _zero_rank(rank, world, arch, out_dir):
 
     model = _build(arch)
     num_experts = getattr(model.config, "num_experts", None) or model.config.n_routed_experts
-    layout = zero.Layout.build(ep=2, num_experts=num_experts)
-    hf.patch(model, ep_group=layout.ep_group, dp_group=layout.dp_group)
+    # DeepSeek-V3 as its run dispatched: each token to a node once (two one-rank "nodes" here)
+    node = arch == "deepseek_v3"
+    layout = zero.Layout.build(
+        ep=2, num_experts=num_experts, node_size=1 if node else None, ep_dispatch="node" if node else "flat"
+    )
+    tiers = (layout.ep_intra_group, layout.ep_inter_group) if node else None
+    hf.patch(model, ep_group=layout.ep_group, dp_group=layout.dp_group, ep_node_groups=tiers)
     engine = zero.ZeroEngine(model, layout, stage=3, blocks=list(model.model.layers), optimizer=_zero_optimizer)
     ids = _zero_batch()[rank : rank + 1]  # this rank's share of the global batch
     losses, grads = [], []
