@@ -126,33 +126,37 @@ def _flat_exchange(group, x_TD, counts_E, dest_TK, weights_TK, experts: GroupedE
 
 
 class NodeDispatcher:
-    """Experts over ``ep_group`` as in ``AllToAllDispatcher``, its R ranks on N nodes of L each
-    (group rank = node * L + position); ``intra_group``: this rank's node's members (None when
-    L = 1), ``inter_group``: the members at this rank's position on every node.
+    """Experts over ``ep_group`` as in ``AllToAllDispatcher``, its R ranks on ``nodes`` of ``members``
+    each (group rank = node * members + position); ``intra_group``: this rank's node's members
+    (None when there is one), ``inter_group``: the members at this rank's position on every node.
 
-    Each token crosses to a node at most once, however many of its experts the node holds (DeepSeek-V3's
-    node-limited dispatch; with group-limited routing whose groups are nodes, at most
-    ``topk_groups`` nodes): an All-to-All over ``inter_group`` sends the token's row to the
+    Each token crosses to a node at most once, however many of its experts the node holds
+    (DeepSeek-V3's node-limited dispatch; with group-limited routing whose groups are nodes, at
+    most ``topk_groups`` nodes): an All-to-All over ``inter_group`` sends the token's row to the
     member at this rank's position on each node it needs, with the ids and weights of its slots
     there; inside the node ``_flat_exchange`` over ``intra_group`` takes the rows to their experts
     and returns them combined with those weights, one row per token and node, which the reverse
     inter exchange brings home to be summed. The flat dispatcher moves a row per slot over the
     links that leave a node; this one a row per node. Same values as the flat one: each token's
-    output is its slots' weighted sum, summed node by node (float rounding aside)."""
+    output is its slots' weighted sum, summed node by node (float rounding aside).
+
+    Names below: a "row" is one (token, node) pair sent (``row_*``, in node order, token order
+    within); ``*_recv`` are the rows received from every node."""
 
     def __init__(self, ep_group, intra_group, inter_group):
         self.group, self.intra, self.inter = ep_group, intra_group, inter_group
         self._exchange = torch.compiler.disable(self._exchange)  # as AllToAllDispatcher's
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: GroupedExperts, max_kept: int | None = None):
-        R, N, L = group_size(self.group), group_size(self.inter), group_size(self.intra)
+        R, nodes, members = group_size(self.group), group_size(self.inter), group_size(self.intra)
         X = experts.num_local
         me = group_rank(self.group)
         node, pos = group_rank(self.inter), group_rank(self.intra)
-        if N * L != R or me != node * L + pos or N < 2:
+        if nodes * members != R or me != node * members + pos or nodes < 2:
             raise ValueError(
-                f"ep group of {R} ranks (this one {me}) with node sub-groups of {L} (position {pos}) and {N} "
-                f"(node {node}): expected N >= 2 nodes of L members, N * L = R, rank = node * L + position"
+                f"ep group of {R} ranks (this one {me}) with node sub-groups of {members} (position {pos}) and "
+                f"{nodes} (node {node}): expected 2 or more nodes of equal members, nodes x members = {R}, "
+                f"rank = node x members + position"
             )
         if experts.num_global != X * R or experts.expert_offset != me * X:
             raise ValueError(
@@ -162,34 +166,34 @@ class NodeDispatcher:
         return self._exchange(x_TD, expert_ids_TK, weights_TK, experts)
 
     def _exchange(self, x_TD, expert_ids_TK, weights_TK, experts: GroupedExperts):
-        N, L, X = group_size(self.inter), group_size(self.intra), experts.num_local
+        nodes, members, X = group_size(self.inter), group_size(self.intra), experts.num_local
         T = x_TD.shape[0]
-        per_node = L * X
+        per_node = members * X
         ids_TK = expert_ids_TK.long()
         node_TK = torch.where(ids_TK >= 0, ids_TK // per_node, -1)  # dropped slots (-1) go nowhere
-        # need_NT[n, t]: token t has a slot on node n; its nonzeros in row-major order are the rows
-        # to send, by node, in token order within each
-        need_NT = torch.zeros(N, T + 1, dtype=torch.bool, device=x_TD.device)
+        # need[i, t] ([nodes, T + 1]): token t has a slot on node i (a dropped slot marks the spare
+        # column T); its nonzeros in row-major order are the rows to send
+        need = torch.zeros(nodes, T + 1, dtype=torch.bool, device=x_TD.device)
         token_TK = torch.arange(T, device=x_TD.device)[:, None].expand_as(node_TK)
-        need_NT[node_TK.clamp(min=0), torch.where(node_TK >= 0, token_TK, T)] = True
-        dest_M, tok_M = need_NT[:, :T].nonzero(as_tuple=True)
-        send_N = torch.bincount(dest_M, minlength=N)
-        recv_N = torch.empty_like(send_N)
-        torch.distributed.all_to_all_single(recv_N, send_N, group=self.inter)
-        send_splits, recv_splits = send_N.tolist(), recv_N.tolist()
+        need[node_TK.clamp(min=0), torch.where(node_TK >= 0, token_TK, T)] = True
+        row_node, row_token = need[:, :T].nonzero(as_tuple=True)
+        send_counts = torch.bincount(row_node, minlength=nodes)
+        recv_counts = torch.empty_like(send_counts)
+        torch.distributed.all_to_all_single(recv_counts, send_counts, group=self.inter)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
         # each row's slots on its node: their ids within the node, the rest dropped (weight 0)
-        on_MK = node_TK.index_select(0, tok_M) == dest_M[:, None]
-        ids_MK = torch.where(on_MK, ids_TK.index_select(0, tok_M) - dest_M[:, None] * per_node, -1)
-        w_MK = torch.where(on_MK, weights_TK.index_select(0, tok_M), 0.0)
-        x_recv = all_to_all(x_TD.index_select(0, tok_M), recv_splits, send_splits, self.inter)
-        w_recv = all_to_all(w_MK, recv_splits, send_splits, self.inter)
-        ids_recv = ids_MK.new_empty((sum(recv_splits), ids_MK.shape[1]))
-        torch.distributed.all_to_all_single(ids_recv, ids_MK, recv_splits, send_splits, group=self.inter)
-        if L == 1:  # the node is this rank: its experts in tokens mode
-            counts_X, _, dest_RK = rk.routing_metadata(ids_recv, X)
-            y_recv = experts(x_recv, counts_X, dest_TK=dest_RK, weights_TK=w_recv.to(x_recv.dtype))
+        row_on = node_TK.index_select(0, row_token) == row_node[:, None]
+        row_ids = torch.where(row_on, ids_TK.index_select(0, row_token) - row_node[:, None] * per_node, -1)
+        row_weights = torch.where(row_on, weights_TK.index_select(0, row_token), 0.0)
+        x_recv = all_to_all(x_TD.index_select(0, row_token), recv_splits, send_splits, self.inter)
+        weights_recv = all_to_all(row_weights, recv_splits, send_splits, self.inter)
+        ids_recv = row_ids.new_empty((sum(recv_splits), row_ids.shape[1]))
+        torch.distributed.all_to_all_single(ids_recv, row_ids, recv_splits, send_splits, group=self.inter)
+        if members == 1:  # the node is this rank: its experts in tokens mode
+            counts_X, _, dest_recv = rk.routing_metadata(ids_recv, X)
+            y_recv = experts(x_recv, counts_X, dest_TK=dest_recv, weights_TK=weights_recv.to(x_recv.dtype))
         else:
-            counts_E, _, dest_RK = rk.routing_metadata(ids_recv, per_node)
-            y_recv = _flat_exchange(self.intra, x_recv, counts_E, dest_RK, w_recv, experts)
-        y_M = all_to_all(y_recv, send_splits, recv_splits, self.inter)
-        return torch.zeros_like(x_TD, dtype=y_M.dtype).index_add(0, tok_M, y_M)
+            counts_node, _, dest_recv = rk.routing_metadata(ids_recv, per_node)
+            y_recv = _flat_exchange(self.intra, x_recv, counts_node, dest_recv, weights_recv, experts)
+        y_rows = all_to_all(y_recv, send_splits, recv_splits, self.inter)
+        return torch.zeros_like(x_TD, dtype=y_rows.dtype).index_add(0, row_token, y_rows)
