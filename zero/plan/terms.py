@@ -31,9 +31,8 @@ def expected_nodes(
     groups, so d = N (1 - C(G - G/N, TG) / C(G, TG)), capped at ``top_k`` (each picked group is
     assumed to get one of the token's slots at least, which top_k < TG cannot give). Otherwise
     (no groups, or groups that straddle nodes) the slots as uniform over the experts without
-    replacement: d = N (1 - C(E - E/N, K) / C(E, K)). Real routing is skewed towards popular
-    experts, which puts more slots on fewer nodes: this is the even case's, an upper bound in
-    expectation for a token whose slots are spread."""
+    replacement: d = N (1 - C(E - E/N, K) / C(E, K)). Uniform choice is the assumption: a trained
+    router's choices are correlated, which can put a token's slots on fewer nodes or more."""
     N, E, K = nodes, num_experts, top_k
     if N <= 1:
         return float(min(N, K))
