@@ -8,14 +8,15 @@ predicted peak memory per rank and step time on a machine profile, ranked fastes
 The first form composes the trainer's own config (``conf/train.yaml`` and the same overrides as
 ``python -m experiments.train``), so the model, ``moe.*``, ``train.batch_size``/``seq_len``,
 ``precision`` and ``parallel.zero_mixed_precision`` are the run's. A layout key given explicitly
-(``parallel.pp=2``, ``parallel.ep=2``, ``parallel.zero_stage=3``, ``parallel.zero_offload=true``,
-``parallel.pp_schedule=...``, ``parallel.pp_virtual_stages=...``, ``parallel.pp_microbatches=...``,
-``model.checkpoint_activations=true``, ``train.grad_accum=...``, ``parallel.pp_layers=[...]``) is
-held at that value; every other one is searched. Each pipeline is listed with the trainer's even
-split of layers and, where it beats that, with its layers cut by cost (``parallel.pp_layers``,
-``zero.plan.split``: the busiest rank's work per micro-batch least). It prints a table (fastest
-first: step time, tokens/s, memory per rank, fits or not against the profile's device memory) and
-the fastest layout that fits, writes the JSON list
+(``parallel.pp=2``, ``parallel.ep=2``, ``parallel.ep_dispatch=node``, ``parallel.zero_stage=3``,
+``parallel.zero_offload=true``, ``parallel.pp_schedule=...``, ``parallel.pp_virtual_stages=...``,
+``parallel.pp_microbatches=...``, ``model.checkpoint_activations=true``, ``train.grad_accum=...``,
+``parallel.pp_layers=[...]``) is held at that value; every other one is searched (``ep_dispatch``:
+``node`` too wherever the ep group spans two or more of the profile's nodes). Each pipeline is
+listed with the trainer's even split of layers and, where it beats that, with its layers cut by
+cost (``parallel.pp_layers``, ``zero.plan.split``: the busiest rank's work per micro-batch least).
+It prints a table (fastest first: step time, tokens/s, memory per rank, fits or not against the
+profile's device memory) and the fastest layout that fits, writes the JSON list
 ``[{overrides, memory_bytes, memory_parts, step_s, fits, ...}]`` fastest first to ``plan.out``, and
 a chart of memory and time per layout beside it (``plan.png``; needs matplotlib, the ``plan`` extra).
 
@@ -121,7 +122,7 @@ def fixed_keys(overrides: list[str]) -> dict:
             out[field] = _parse_offload(value)
         elif field in ("checkpoint_activations", "zero_hpz", "zero_qwz", "zero_qgz"):
             out[field] = _parse_bool(value)
-        elif field == "pp_schedule":
+        elif field in ("pp_schedule", "ep_dispatch"):
             out[field] = value
         elif field in ("pp_microbatches", "pp_layers") and value.lower() in ("null", "none"):
             continue

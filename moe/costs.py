@@ -335,6 +335,8 @@ def model_costs(
                 capacity_factor=m.capacity_factor,
                 expert_row_bytes=row_saved,
                 row_bytes=c * D,
+                num_groups=m.num_groups,
+                topk_groups=m.topk_groups,
                 # counts, token count, dropped, probability sums, z-loss and entropy sums (moe.layer)
                 stats_bytes=8 * (2 * E + 4),
                 routing_bytes=K * (8 + 4),  # ids (long) and weights (fp32) of each token's slots

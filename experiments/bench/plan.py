@@ -33,11 +33,13 @@ correlation of the step times, the largest relative error of the model-state byt
 mean and largest relative error.
 
 (b) DeepSeek-V3 (671B, MLA, 256 routed experts + 1 shared, top-8) on 2048 H800 as published (PP16
-DualPipe, EP64, ZeRO-1; 180K H800 GPU-hours per trillion tokens, i.e. ~1,540 tokens/s per GPU, batch
+DualPipe, EP64, ZeRO-1, node-limited dispatch: ``ep_dispatch=node``, the flat All-to-All predicted
+beside it; 180K H800 GPU-hours per trillion tokens, i.e. ~1,540 tokens/s per GPU, batch
 15,360 x 4,096; DeepSeek-V3 technical report, arXiv:2412.19437) and Mixtral-8x7B on 64 H100
 (EP8 PP4 VP8, 468 TFLOP/s per GPU bf16, Megatron-Core MoE README as of MCore v0.9; a global batch
 of 256 x 4,096 assumed): the planner's prediction for the published layout, its throughput against
-the published one, and where the published layout ranks among the planner's layouts.
+the published one, and where the published layout ranks among the planner's layouts (node
+dispatch searched too, where an ep group spans two or more of the profile's nodes).
 """
 
 from __future__ import annotations
@@ -621,7 +623,9 @@ CASES = {
         profile="h800_node",
         world=2048,
         batch=15360,
-        published=dict(pp=16, ep=64, zero_stage=1, pp_schedule="dualpipev", pp_virtual_stages=2),
+        # node-limited dispatch (at most 4 nodes a token: its 4 groups of 8, a node each), as run;
+        # the flat All-to-All is predicted beside it for comparison
+        published=dict(pp=16, ep=64, zero_stage=1, pp_schedule="dualpipev", pp_virtual_stages=2, ep_dispatch="node"),
         published_tokens_per_gpu=1e12 / (180e3 * 3600),
         # what the search varies around the published layout (the whole space is ~10^5 layouts of
         # simulated 16-32 stage pipelines: hours of Python): pp, ep, ZeRO, checkpointing, schedule
@@ -645,6 +649,34 @@ CASES = {
 }
 
 
+def _published(case: dict, costs, profile: zplan.Profile, skew: float, **override):
+    """The published layout (``override`` on it) at its best micro-batch count, with and without
+    recomputation: ``(record, prediction)``, one that fits before one that does not, then the faster."""
+    best = None
+    for ckpt in (False, True):
+        for m in case["microbatches"]:
+            rec = zplan.LayoutRecord(
+                world=case["world"],
+                batch_size=case["batch"],
+                mixed_precision="bf16",
+                pp_microbatches=m,
+                checkpoint_activations=ckpt,
+                **{**case["published"], **override},
+            )
+            if zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied, profile.node_size):
+                continue
+            p = zplan.predict(rec, costs, profile, skew=skew)
+            if best is None or (p.fits, -p.step_s) > (best[1].fits, -best[1].step_s):
+                best = (rec, p)
+    return best
+
+
+def _position(rec, p, ranked) -> int:
+    """Where ``rec`` would rank among ``ranked`` (the published cut need not be one the planner lists)."""
+    key = (not p.fits, p.step_s, p.memory_bytes)
+    return 1 + sum(1 for r, q in ranked if r != rec and (not q.fits, q.step_s, q.memory_bytes) < key)
+
+
 def part_b(skew: float) -> dict:
     out = {}
     for name, case in CASES.items():
@@ -661,6 +693,7 @@ def part_b(skew: float) -> dict:
                 mixed_precision="bf16",
                 fixed=case["fixed"],
                 max_virtual=8,
+                node_size=profile.node_size,  # ep_dispatch=node too, where an ep group spans whole nodes
             )
             if r.pp == 1 or r.pp_microbatches in case["microbatches"]
         ]
@@ -672,26 +705,8 @@ def part_b(skew: float) -> dict:
             published = case["published_tokens_per_gpu"]
         else:
             published = case["published_tflops"] / flops
-        best_pub = None
-        for ckpt in (False, True):
-            for m in case["microbatches"]:
-                rec = zplan.LayoutRecord(
-                    world=case["world"],
-                    batch_size=case["batch"],
-                    mixed_precision="bf16",
-                    pp_microbatches=m,
-                    checkpoint_activations=ckpt,
-                    **case["published"],
-                )
-                if zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied):
-                    continue
-                p = zplan.predict(rec, costs, profile, skew=skew)
-                if best_pub is None or (p.fits, -p.step_s) > (best_pub[1].fits, -best_pub[1].step_s):
-                    best_pub = (rec, p)
-        rec, p = best_pub
-        # among the planner's layouts (the published cut need not be one the planner lists)
-        key = (not p.fits, p.step_s, p.memory_bytes)
-        position = 1 + sum(1 for r, q in ranked if r != rec and (not q.fits, q.step_s, q.memory_bytes) < key)
+        rec, p = _published(case, costs, profile, skew)
+        position = _position(rec, p, ranked)
         fitting = sum(1 for _, q in ranked if q.fits)
         tok_gpu = p.tokens_per_s / case["world"]
         res = dict(
@@ -711,7 +726,19 @@ def part_b(skew: float) -> dict:
             layouts_fitting=fitting,
             best=[(r.label(), q.tokens_per_s / case["world"], q.memory_bytes / 1e9) for r, q in ranked[:5]],
             search_s=elapsed,
+            layouts_node=sum(1 for r, _ in ranked if r.ep_dispatch == "node"),
         )
+        if rec.ep_dispatch == "node":  # the flat All-to-All beside it
+            f_rec, f_p = _published(case, costs, profile, skew, ep_dispatch="flat")
+            res["flat"] = dict(
+                layout=f_rec.label(),
+                predicted_tokens_per_gpu=f_p.tokens_per_s / case["world"],
+                ratio=f_p.tokens_per_s / case["world"] / published,
+                memory_gb=f_p.memory_bytes / 1e9,
+                fits=f_p.fits,
+                moe_comm_s=f_p.time_parts["moe_comm"],
+                rank=_position(f_rec, f_p, ranked),
+            )
         out[name] = res
         print(f"\n{name} ({profile.name}, skew {skew}): published layout {rec.label()}")
         print(
@@ -723,9 +750,17 @@ def part_b(skew: float) -> dict:
             f"{profile.device_memory_bytes / 1e9:.0f}), bubble {p.bubble:.2f}; "
             + ", ".join(f"{k} {v:.1f}" for k, v in res["memory_parts_gb"].items())
         )
+        print(f"  All-to-All {p.time_parts['moe_comm']:.1f} s of the {p.step_s:.1f} s step")
+        if "flat" in res:
+            f = res["flat"]
+            print(
+                f"  flat dispatch instead: {f['layout']}: {f['predicted_tokens_per_gpu']:,.0f} tokens/s per GPU "
+                f"(ratio {f['ratio']:.2f}), All-to-All {f['moe_comm_s']:.1f} s, {f['memory_gb']:.1f} GB, "
+                f"rank {f['rank']}"
+            )
         print(
-            f"  rank {position} of {len(ranked)} layouts searched ({fitting} fit) in {elapsed:.0f} s; planner's top 5 "
-            "(tokens/s per GPU, GB):"
+            f"  rank {position} of {len(ranked)} layouts searched ({res['layouts_node']} with node dispatch; "
+            f"{fitting} fit) in {elapsed:.0f} s; planner's top 5 (tokens/s per GPU, GB):"
         )
         for label, t, g in res["best"]:
             print(f"    {label}: {t:,.0f}, {g:.1f}")

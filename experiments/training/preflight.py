@@ -123,6 +123,7 @@ def record_of(cfg, world: int) -> LayoutRecord:
         batch_size=int(cfg.train.batch_size),
         pp=pp,
         ep=int(p.ep),
+        ep_dispatch=str(p.get("ep_dispatch", "flat")),
         zero_stage=int(p.zero_stage),
         zero_offload=_offload(p.zero_offload),
         pp_schedule=str(p.pp_schedule) if pp > 1 else None,
@@ -138,6 +139,16 @@ def record_of(cfg, world: int) -> LayoutRecord:
         zero_quant_block=int(p.zero_quant_block),
         pp_layers=tuple(int(k) for k in p.pp_layers) if pp > 1 and p.pp_layers is not None else None,
     )
+
+
+def node_size_of(cfg, world: int) -> int:
+    """Ranks per node as ``zero.Layout.build`` takes them: ``parallel.node_size``, else torchrun's
+    ``LOCAL_WORLD_SIZE``, else the whole world one node."""
+    node_size = cfg.parallel.get("node_size", None)
+    if node_size is not None:
+        return int(node_size)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() else world
 
 
 def _meminfo(key: str) -> float:
@@ -194,8 +205,13 @@ def predict_config(cfg, world: int, device: torch.device | None = None) -> tuple
         costs = costs_of(cfg, profile)
     except ValueError:  # a bad model.* / moe.* value: named by the model's own check later
         return None
-    if zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied) is not None or rec.micro_rows < 1:
+    node_size = node_size_of(cfg, world)
+    problem = zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied, node_size)
+    if problem is not None or rec.micro_rows < 1:
         return None
+    if rec.ep_dispatch == "node" and node_size != profile.node_size:
+        # the node dispatch's two exchanges follow the run's nodes, whatever the profile's are
+        profile = dataclasses.replace(profile, node_size=node_size)
     return rec, zplan.predict(rec, costs, profile)
 
 

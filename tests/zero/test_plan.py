@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 import zero.plan as zplan
 from moe.costs import model_costs
 from tests.support.training import cfg_of
-from zero import Layout, predict_memory, validate_layout
+from zero import Layout, predict_memory, validate_ep_dispatch, validate_layout
 from zero.pipeline import SCHEDULES, even_split, plan_pipeline
 from zero.plan.profile import COLLECTIVES, AlphaBeta, Profile
 from zero.plan.schedule import live_activations, rank_orders, simulate
@@ -132,6 +132,30 @@ def test_the_planner_lists_exactly_the_layouts_the_trainer_accepts(setting, worl
     assert recs, "no layout at all"
     if setting.tied and world > 1:  # only the V-shaped schedules keep the embedding and the head together
         assert {r.pp_schedule for r in recs if r.pp > 1} <= {"zbv", "dualpipev"}
+
+
+@pytest.mark.parametrize("world,node_size", [(2, 1), (4, 2), (6, 1), (6, 2), (6, 3)])
+def test_with_the_node_size_the_planner_lists_exactly_the_dispatches_the_trainer_accepts(setting, world, node_size):
+    """parallel.ep_dispatch: every layout the trainer accepts, under each dispatch (and a bad one)
+    its own validate_ep_dispatch takes at this node size (as zero.Layout.build calls it), and
+    nothing else; the flat listing is the one without the node size, in its order."""
+    recs = zplan.enumerate(setting.costs, world=world, batch_size=BATCH, node_size=node_size)
+    listed = [(*_key(r), r.ep_dispatch) for r in recs]
+    assert len(listed) == len(set(listed)), "a layout is listed twice"
+    accepted = {
+        (*k, d)
+        for k in trainer_accepted(setting, world)
+        for d in ("flat", "node", "ring")
+        if not _refused(lambda k=k, d=d: validate_ep_dispatch(d, k[1], node_size, "parallel.ep_dispatch"))
+    }
+    assert set(listed) == accepted, (
+        f"listed but refused: {sorted(set(listed) - accepted)[:5]}; accepted but not listed: "
+        f"{sorted(accepted - set(listed))[:5]}"
+    )
+    assert [r for r in recs if r.ep_dispatch == "flat"] == zplan.enumerate(setting.costs, world=world, batch_size=BATCH)
+    # ep 6 spans whole nodes of 1, 2 and 3; ep 2 and 3 those of 1 only
+    want = {(6, 1): {2, 3, 6}, (6, 2): {6}, (6, 3): {6}, (2, 1): {2}, (4, 2): set()}[(world, node_size)]
+    assert {r.ep for r in recs if r.ep_dispatch == "node"} == want
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ def _regular(ranks, node_size) -> bool:
 
 @pytest.mark.parametrize("world,node_size", [(4, 2), (8, 4), (8, 3), (4, 1)])
 def test_zeropp_lists_every_valid_combination_once(costs, world, node_size):
-    plain = zplan.enumerate(costs, world=world, batch_size=8)
+    plain = zplan.enumerate(costs, world=world, batch_size=8, node_size=node_size)  # node dispatch too
     got = zplan.enumerate(costs, world=world, batch_size=8, zeropp=True, node_size=node_size)
     # the reference: the engine's rules written out (zero.zeropp.check_options): hpZ and qwZ at
     # stage 3, qgZ at 1-3, hpZ and qgZ only where every dp and edp group sits evenly on its nodes

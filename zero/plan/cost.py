@@ -31,7 +31,9 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
     expert_rows     the routed rows beyond the mean load, at the worst case: under a capacity
                     E_local x capacity bounds them exactly; dropless takes ``skew`` (default the
                     worst case: every token of the ep group routed to this rank's experts)
-    a2a_buffers     one MoE layer's send and receive buffers of rows (worst case)
+    a2a_buffers     one MoE layer's send and receive buffers of rows (worst case); under
+                    ``ep_dispatch=node`` the larger of its two exchanges' (across nodes a row
+                    per token and node with its slots' ids and weights, inside as flat's)
     workspace       the backward's working memory of one layer (the loss's fp32 logits at the
                     head; the CPU expert kernel's heap buffers and its weight gradients, all
                     alive until the engine's hook adds them in: ``_Costing.kernel_backward``),
@@ -61,7 +63,10 @@ rank's last backward with one (``Pipeline`` calls ``start_reduction``); where ev
 what a gather or reduction takes from the cores (``Profile.collectives_beside``: its CPU seconds
 per call; else its bytes) adds to the layer it runs beside and only its waits (its α steps)
 overlap; the MoE layer's All-to-All, its statistics all-reduce and the capacity gather are
-synchronous (summed). The
+synchronous (summed). Under ``ep_dispatch=node`` the All-to-All is two: across nodes among the ep
+group's ranks at one position, a row per token and node it needs (``terms.expected_nodes``: d of
+them on average, with its slots' ids and weights), then inside the node a row per slot
+(``_Costing.node_comm``). The
 pipeline's length comes from simulating the schedule's own order with each stage's forward,
 backward-input and backward-weight durations and the point-to-point time of an activation between
 ranks: a wait between them where something else moves the bytes (a GPU, a spare core), and work
@@ -79,7 +84,7 @@ parallelism, kernel fusion beyond a fixed per-operator cost, network contention 
 from __future__ import annotations
 
 from ..memory import predict_memory
-from .enumerate import LayoutRecord
+from .enumerate import LayoutRecord, ep_dispatch_problem
 from .profile import Profile
 from .records import PARTS, BlockCost, MatMul, ModelCosts, Prediction
 from .schedule import live_plan, simulate_plan
@@ -143,6 +148,9 @@ def predict(
     T = cst.tokens
     if T < 1:
         raise ValueError(f"layout {rec.label()}: a micro-batch has no rows (batch_size={rec.batch_size})")
+    problem = ep_dispatch_problem(rec, profile.node_size)  # node: the exchanges follow the profile's nodes
+    if problem is not None:
+        raise ValueError(f"layout {rec.label()} on profile {profile.name} (node_size={profile.node_size}): {problem}")
     ckpt = rec.checkpoint_activations
     stages = [(0, L)] if plan is None else list(plan.ranges)
 
@@ -288,7 +296,7 @@ def predict(
             count = live.peak_count[r]
         moe_layers = [blocks[j] for j in layers if blocks[j].is_moe]
         if rec.ep > 1 and moe_layers:
-            parts["a2a_buffers"] = max(2 * cst.rows(b)[1] * b.row_bytes for b in moe_layers)
+            parts["a2a_buffers"] = max(cst.a2a_bytes(b) for b in moe_layers)
         parts["workspace"] = workspace
         parts["kernel_buffers"] = sum(cst.pooled(blocks[j]) for j in layers)
         per_rank.append((sum(parts.values()), parts, ms["host_total"], count))

@@ -6,20 +6,23 @@ virtual stages, micro-batches, layers per stage), the batch divisibility of
 ``experiments.training.checks`` (the global batch splits evenly over dp x grad_accum x
 micro-batches), offload only with ZeRO >= 1 (``experiments.train.build_engine``) and tied
 embeddings only where the embedding and the head land on one pipeline rank
-(``moe.model.Transformer.keep_layers``). The tests check the two agree, both ways.
+(``moe.model.Transformer.keep_layers``), and the MoE dispatch ``parallel.ep_dispatch`` by
+``zero.layout.validate_ep_dispatch`` (``node`` only where the ep group spans two or more whole
+nodes, so only where the node size is known). The tests check the two agree, both ways.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ..layout import validate_layout
+from ..layout import validate_ep_dispatch, validate_layout
 from ..pipeline import SCHEDULES, PipelinePlan, plan_pipeline
 
 # the keys a layout sets, as the trainer's config names them
 KEYS = {
     "pp": "parallel.pp",
     "ep": "parallel.ep",
+    "ep_dispatch": "parallel.ep_dispatch",
     "zero_stage": "parallel.zero_stage",
     "zero_offload": "parallel.zero_offload",
     "pp_schedule": "parallel.pp_schedule",
@@ -55,6 +58,9 @@ class LayoutRecord:
     batch_size: int
     pp: int = 1
     ep: int = 1
+    # parallel.ep_dispatch: flat (one All-to-All over the ep group, a row per routed slot) or node
+    # (a token crosses to each node it needs once, then to its experts inside the node)
+    ep_dispatch: str = "flat"
     zero_stage: int = 0
     zero_offload: bool = False
     pp_schedule: str | None = None  # None for pp=1 (no pipeline)
@@ -108,7 +114,7 @@ class LayoutRecord:
     def overrides(self) -> list[str]:
         """The trainer's Hydra overrides that run this layout (with ``torchrun --nproc_per_node``
         = ``world`` on one node, or its multi-node equivalent)."""
-        names = ["pp", "ep", "zero_stage", "zero_offload"]
+        names = ["pp", "ep", *(["ep_dispatch"] if self.ep_dispatch != "flat" else []), "zero_stage", "zero_offload"]
         if self.pp > 1:
             names += ["pp_schedule", "pp_virtual_stages", "pp_microbatches"]
             if self.pp_layers is not None:  # the even split is the trainer's default
@@ -127,7 +133,7 @@ class LayoutRecord:
             parts.append(f"{self.pp_schedule}{v} m{self.pp_microbatches}")
             if self.pp_layers is not None:
                 parts.append("layers " + "/".join(map(str, self.pp_layers)))
-        parts.append(f"dp{self.dp} ep{self.ep}")
+        parts.append(f"dp{self.dp} ep{self.ep}" + (" epnode" if self.ep_dispatch == "node" else ""))
         parts.append(f"z{self.zero_stage}{'+off' if self.zero_offload else ''}")
         if self.grad_accum > 1:
             parts.append(f"ga{self.grad_accum}")
@@ -170,6 +176,21 @@ def zeropp_problem(rec: LayoutRecord, node_size: int | None) -> str | None:
     return None
 
 
+def ep_dispatch_problem(rec: LayoutRecord, node_size: int | None) -> str | None:
+    """Why ``zero.layout.validate_ep_dispatch`` would refuse ``rec``'s ``ep_dispatch`` (its own
+    message), or None; ``node`` cannot be judged without the node size, so it is refused then."""
+    if rec.ep_dispatch == "node" and node_size is None:
+        return (
+            f"parallel.ep_dispatch=node needs the ranks per node to check that each ep group (ep={rec.ep}) spans "
+            "two or more whole nodes: give node_size, or use parallel.ep_dispatch=flat"
+        )
+    try:
+        validate_ep_dispatch(rec.ep_dispatch, rec.ep, 1 if node_size is None else node_size, "parallel.ep_dispatch")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def layout_problem(
     rec: LayoutRecord,
     num_layers: int,
@@ -178,11 +199,15 @@ def layout_problem(
     node_size: int | None = None,
 ) -> str | None:
     """Why the trainer would refuse ``rec`` (its own message), or None when it accepts it.
-    ``node_size``: ranks per node, for the ZeRO++ options' node rules (None: not checked)."""
+    ``node_size``: ranks per node, for the ZeRO++ options' node rules (None: not checked) and
+    ``ep_dispatch=node``'s (None: refused, as it cannot be checked)."""
     try:
         validate_layout(rec.world, rec.pp, rec.ep, num_experts)
     except ValueError as e:
         return str(e)
+    problem = ep_dispatch_problem(rec, node_size)
+    if problem is not None:
+        return problem
     if rec.zero_stage not in (0, 1, 2, 3):
         return f"parallel.zero_stage={rec.zero_stage!r} is invalid: expected 0, 1, 2 or 3"
     if rec.zero_offload and rec.zero_stage == 0:
@@ -236,7 +261,9 @@ def enumerate_layouts(
     stages per rank tried for the interleaved schedules (default: as many as the layers allow).
     ``zeropp``: also every valid combination of ZeRO++'s hpZ, qwZ and qgZ (int4) for ZeRO-1 to 3,
     with ``node_size`` ranks per node (needed: hpZ and qgZ need each group evenly on its nodes);
-    off by default, since qwZ and qgZ quantize the weights and gradients they move."""
+    off by default, since qwZ and qgZ quantize the weights and gradients they move. ``node_size``
+    given, every ep that spans two or more whole nodes is also listed with ``ep_dispatch=node``
+    (a token crosses to each node once); without it only ``flat``."""
     if zeropp and (not isinstance(node_size, int) or isinstance(node_size, bool) or node_size < 1):
         raise ValueError(f"zeropp=True needs node_size, the ranks per node (a positive integer), got {node_size!r}")
     for name, v in (("world", world), ("batch_size", batch_size), ("num_layers", num_layers)):
@@ -246,6 +273,8 @@ def enumerate_layouts(
     unknown = sorted(set(fixed) - set(KEYS))
     if unknown:
         raise ValueError(f"fixed keys {unknown} are not layout keys; valid: {sorted(KEYS)}")
+    if fixed.get("ep_dispatch") == "node" and node_size is None:
+        raise ValueError("fixed ep_dispatch='node' needs node_size, the ranks per node (node needs whole nodes)")
     # a split held (parallel.pp_layers): the pipelines of that many stages, cut that way
     split = fixed.pop("pp_layers", None)
     if split is not None:
@@ -273,7 +302,7 @@ def enumerate_layouts(
                 for v in allowed("pp_virtual_stages", vs):
                     for m in allowed("pp_microbatches", _divisors(batch_size // dp) if batch_size % dp == 0 else []):
                         pipelines.append((schedule, v, m))
-        for ep in allowed("ep", eps):
+        for ep, dispatch in [(e, d) for e in allowed("ep", eps) for d in _dispatch_choices(e, node_size, allowed)]:
             for schedule, v, m in pipelines:
                 for ga in allowed("grad_accum", _divisors(batch_size)):
                     base = LayoutRecord(
@@ -281,6 +310,7 @@ def enumerate_layouts(
                         batch_size=batch_size,
                         pp=pp,
                         ep=ep,
+                        ep_dispatch=dispatch,
                         pp_schedule=schedule,
                         pp_virtual_stages=v,
                         pp_microbatches=m,
@@ -288,7 +318,7 @@ def enumerate_layouts(
                         mixed_precision=mixed_precision,
                         pp_layers=split if pp > 1 else None,
                     )
-                    if layout_problem(base, num_layers, num_experts, tied) is not None:
+                    if layout_problem(base, num_layers, num_experts, tied, node_size) is not None:
                         continue
                     for stage in allowed("zero_stage", [0, 1, 2, 3]):
                         for off in allowed("zero_offload", [False, True] if stage else [False]):
@@ -297,6 +327,13 @@ def enumerate_layouts(
                                 for opts in _zeropp_choices(rec, zeropp, node_size, allowed):
                                     out.append(replace(rec, **opts))
     return out
+
+
+def _dispatch_choices(ep: int, node_size: int | None, allowed) -> list[str]:
+    """``flat`` always; ``node`` too where the node size is known and the trainer takes it."""
+    rec = LayoutRecord(world=ep, batch_size=1, ep=ep, ep_dispatch="node")
+    node = [] if node_size is None or ep_dispatch_problem(rec, node_size) is not None else ["node"]
+    return allowed("ep_dispatch", ["flat", *node])
 
 
 def _zeropp_choices(rec: LayoutRecord, zeropp: bool, node_size: int | None, allowed) -> list[dict]:

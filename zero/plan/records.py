@@ -56,6 +56,10 @@ class BlockCost:
     capacity_factor: float | None = None
     expert_row_bytes: float = 0.0  # saved per routed row (part of act_bytes at top_k rows per token)
     row_bytes: float = 0.0  # one routed row as the All-to-All moves it
+    # group-limited routing (moe.MoEConfig): each token's slots among topk_groups of num_groups
+    # groups of consecutive experts; None: plain top_k (ep_dispatch=node's nodes per token)
+    num_groups: int | None = None
+    topk_groups: int | None = None
     stats_bytes: float = 0.0  # the routing statistics all-reduced over dp each forward
     routing_bytes: float = 0.0  # per token, what a capacity's decision gathers over dp (ids and weights)
     shares_params_with: int | None = None  # tied: the layer whose weight this one uses (held once)

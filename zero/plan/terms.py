@@ -19,6 +19,29 @@ def qrow_bytes(m: float, bits: int, block: int) -> float:
     return m * bits / 8 + 4 * m / block
 
 
+def expected_nodes(
+    num_experts: int, top_k: int, nodes: int, num_groups: int | None = None, topk_groups: int | None = None
+) -> float:
+    """The expected number of distinct nodes a token's ``top_k`` slots land on, the experts split
+    evenly over ``nodes`` nodes in order (what ``ep_dispatch=node`` sends a token to: once each).
+
+    With group-limited routing whose groups sit whole on the nodes (``num_groups`` a multiple of
+    ``nodes``: each node holds num_groups / nodes groups), the token's ``topk_groups`` groups taken
+    as uniform without replacement: a node is missed when all of them fall in the other nodes'
+    groups, so d = N (1 - C(G - G/N, TG) / C(G, TG)), capped at ``top_k`` (each picked group is
+    assumed to get one of the token's slots at least, which top_k < TG cannot give). Otherwise
+    (no groups, or groups that straddle nodes) the slots as uniform over the experts without
+    replacement: d = N (1 - C(E - E/N, K) / C(E, K)). Uniform choice is the assumption: a trained
+    router's choices are correlated, which can put a token's slots on fewer nodes or more."""
+    N, E, K = nodes, num_experts, top_k
+    if N <= 1:
+        return float(min(N, K))
+    if num_groups is not None and topk_groups is not None and num_groups % N == 0:
+        G, TG = num_groups, topk_groups
+        return min(float(K), N * (1 - math.comb(G - G // N, TG) / math.comb(G, TG)))
+    return N * (1 - math.comb(E - E // N, K) / math.comb(E, K))
+
+
 # Adam (torch's foreach/fused AdamW) per parameter of this rank's shard, bytes through memory:
 # the master weight, both moments read and written (3 x 4 x 2), the gradient read, scaled by 1/dp
 # and clip in place (c x 3), the compute weight written back (c), the norm's read (c)
@@ -258,6 +281,14 @@ class _Costing:
         ke = self.expert_contention
         return {"F": f * k + ef * ke, "I": i * k + ei * ke, "W": w * k + ew * ke}
 
+    def node_split(self, b: BlockCost) -> tuple[list[int], list[int], float]:
+        """``ep_dispatch=node``: the ep group's inter part (its members at this rank's position on
+        each node, N), its intra part (this rank's node's members, L) and the expected nodes a
+        token crosses to (``expected_nodes``)."""
+        g = self.groups
+        inter, intra = g.across(g.ep), g.local(g.ep)
+        return inter, intra, expected_nodes(b.num_experts, b.top_k, len(inter), b.num_groups, b.topk_groups)
+
     def moe_comm(self, b: BlockCost) -> dict[str, float]:
         """Synchronous communication of an MoE layer per micro-batch: F and I (the backward)."""
         if not b.is_moe:
@@ -268,13 +299,52 @@ class _Costing:
             f += self.coll("all_reduce", b.stats_bytes, g.dp)
             if b.capacity_factor is not None:
                 f += self.coll("all_gather", b.routing_bytes * self.tokens * rec.dp, g.dp)
-        if rec.ep > 1:
+        if rec.ep > 1 and rec.ep_dispatch == "node":
+            node = self.node_comm(b)
+            f, i = f + node["F"], i + node["I"]
+        elif rec.ep > 1:
             mean, _ = self.rows(b)
             a2a = self.coll("all_to_all", mean * self.time_skew * b.row_bytes, g.ep)
             counts = self.coll("all_to_all", 8 * b.num_experts, g.ep)
             f += 2 * a2a + counts  # dispatch and combine, and the counts before them
             i += 2 * a2a
         return {"F": f, "I": i}
+
+    def node_comm(self, b: BlockCost) -> dict[str, float]:
+        """``ep_dispatch=node``'s exchanges per micro-batch (``moe.dispatch.NodeDispatcher``). Over
+        the inter part: a row per (token, node it needs), T d of them, out and back, and with each
+        the token's K expert ids (int64) and weights (fp32, whose gradient comes back in the
+        backward), each its own All-to-All, after the N counts. Inside the node: the flat exchange
+        over the L members, a row per slot (T K on average, as flat's, at the busiest rank's
+        skew), out and back, after the L X counts; none for L = 1. The inter exchange's rows go to
+        a node's L ranks together, whose load is the node's: taken as even (the rank's time_skew
+        would overstate it). The backward reverses the rows and the weights, not the ids."""
+        T, K = self.tokens, b.top_k
+        inter, intra, d = self.node_split(b)
+        across = T * d  # rows this rank sends over the inter part (and receives, on average)
+        x = self.coll("all_to_all", across * b.row_bytes, inter)
+        w = self.coll("all_to_all", across * 4 * K, inter)
+        ids = self.coll("all_to_all", across * 8 * K, inter)
+        mean, _ = self.rows(b)
+        inside = self.coll("all_to_all", mean * self.time_skew * b.row_bytes, intra)
+        local_experts = len(intra) * (b.num_experts // self.rec.ep)
+        counts = self.coll("all_to_all", 8 * len(inter), inter) + self.coll("all_to_all", 8 * local_experts, intra)
+        return {"F": 2 * x + w + ids + 2 * inside + counts, "I": 2 * x + w + 2 * inside}
+
+    def a2a_bytes(self, b: BlockCost) -> float:
+        """One MoE layer's send and receive buffers of rows at the worst case (``a2a_buffers``):
+        flat, a row per slot each way; node, the larger of its two exchanges': inside the node
+        those same rows, across nodes a row per (token, node) with its slots' ids and weights,
+        T d sent and at worst every token of the inter part's N ranks received (``skew``: that
+        times T d, at most N T)."""
+        _, worst = self.rows(b)
+        slots = 2 * worst * b.row_bytes
+        if self.rec.ep_dispatch != "node":
+            return slots
+        inter, _, d = self.node_split(b)
+        sent, most = self.tokens * d, len(inter) * self.tokens
+        got = most if self.skew is None else max(sent, min(self.skew * sent, most))
+        return max(slots, (sent + got) * (b.row_bytes + 12 * b.top_k))
 
     def _sharded(self, b: BlockCost):
         """(elements, group ranks) of layer ``b``'s weights per sharding group: dense over dp,
@@ -427,7 +497,7 @@ class _Terms(NamedTuple):
 
 def _layer_terms(cst: _Costing) -> _Terms:
     rec = cst.rec
-    key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.micro_rows, rec.zero_stage)
+    key = (id(cst.costs), id(cst.profile), rec.world, rec.dp, rec.ep, rec.ep_dispatch, rec.micro_rows, rec.zero_stage)
     key += (rec.mixed_precision, cst.skew, rec.zero_hpz, rec.zero_qwz, rec.zero_qgz, rec.zero_qgz_bits)
     key += (rec.zero_quant_block, cst.time_skew)
     hit = _TERMS.get(key)
