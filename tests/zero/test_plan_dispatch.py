@@ -158,9 +158,9 @@ def test_node_dispatch_is_faster_where_the_links_across_nodes_are_slow():
 
 @pytest.mark.parametrize("skew", [None, 1.5, 100.0])
 def test_the_buffers_are_the_larger_exchanges_by_hand(skew):
-    """Inside the node the slots' rows as flat (2 x the worst rows); across nodes T d rows sent
-    and at worst N T received (skew: skew x T d, at most N T), each with 12 K bytes of ids and
-    weights. Here the rows are small beside those, so the inter exchange's buffers are the larger."""
+    """Across nodes T d rows sent and at worst N T received (skew: skew x T d, at most N T), each
+    with 12 K bytes of ids and weights; inside the node the slots' rows as flat (2 x the worst
+    rows) while the rows received across nodes are still held."""
     costs, b = _costs(E=8, K=2)
     rec = zplan.LayoutRecord(world=8, batch_size=32, ep=8, ep_dispatch="node")
     c = _Costing(rec, costs, _profile(2), skew)
@@ -169,11 +169,12 @@ def test_the_buffers_are_the_larger_exchanges_by_hand(skew):
     got = N * T if skew is None else max(T * d, min(skew * T * d, N * T))
     inter = (T * d + got) * (b.row_bytes + 12 * K)
     slots = 2 * c.rows(b)[1] * b.row_bytes
-    assert c.a2a_bytes(b) == pytest.approx(max(slots, inter), rel=1e-12)
+    inside = got * (b.row_bytes + 12 * K) + slots
+    assert c.a2a_bytes(b) == pytest.approx(max(inside, inter), rel=1e-12)
     flat = _Costing(dataclasses.replace(rec, ep_dispatch="flat"), costs, c.profile, skew)
     assert flat.a2a_bytes(b) == pytest.approx(slots, rel=1e-12)
     p = zplan.predict(rec, costs, c.profile, skew=skew)
-    assert p.memory_parts["a2a_buffers"] == pytest.approx(max(slots, inter), rel=1e-12)
+    assert p.memory_parts["a2a_buffers"] == pytest.approx(max(inside, inter), rel=1e-12)
 
 
 # ----- the keys, the record and the messages ----------------------------------------------------------

@@ -333,10 +333,11 @@ class _Costing:
 
     def a2a_bytes(self, b: BlockCost) -> float:
         """One MoE layer's send and receive buffers of rows at the worst case (``a2a_buffers``):
-        flat, a row per slot each way; node, the larger of its two exchanges': inside the node
-        those same rows, across nodes a row per (token, node) with its slots' ids and weights,
-        T d sent and at worst every token of the inter part's N ranks received (``skew``: that
-        times T d, at most N T)."""
+        flat, a row per slot each way; node, the larger of its two exchanges': across nodes a row
+        per (token, node) with its slots' ids and weights, T d sent and at worst every token of
+        the inter part's N ranks received (``skew``: that times T d, at most N T); inside the node
+        the flat exchange's rows while the rows received across nodes are still held (the
+        dispatcher's ``x_recv`` and its ids and weights live through the exchange inside)."""
         _, worst = self.rows(b)
         slots = 2 * worst * b.row_bytes
         if self.rec.ep_dispatch != "node":
@@ -344,7 +345,8 @@ class _Costing:
         inter, _, d = self.node_split(b)
         sent, most = self.tokens * d, len(inter) * self.tokens
         got = most if self.skew is None else max(sent, min(self.skew * sent, most))
-        return max(slots, (sent + got) * (b.row_bytes + 12 * b.top_k))
+        row = b.row_bytes + 12 * b.top_k
+        return max((sent + got) * row, got * row + slots)
 
     def _sharded(self, b: BlockCost):
         """(elements, group ranks) of layer ``b``'s weights per sharding group: dense over dp,
