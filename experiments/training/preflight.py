@@ -209,10 +209,17 @@ def predict_config(cfg, world: int, device: torch.device | None = None) -> tuple
     problem = zplan.layout_problem(rec, costs.num_layers, costs.num_experts, costs.tied, node_size)
     if problem is not None or rec.micro_rows < 1:
         return None
-    if rec.ep_dispatch == "node" and node_size != profile.node_size:
-        # the node dispatch's two exchanges follow the run's nodes, whatever the profile's are
-        profile = dataclasses.replace(profile, node_size=node_size)
+    if rec.ep_dispatch == "node":
+        profile = _on_the_runs_nodes(profile, cfg, world)
     return rec, zplan.predict(rec, costs, profile)
+
+
+def _on_the_runs_nodes(profile: zplan.Profile, cfg, world: int) -> zplan.Profile:
+    """``profile`` on the nodes this run has (``node_size_of``): the node dispatch's two exchanges,
+    and which layouts may dispatch so (an ep group over whole nodes), follow the run's nodes,
+    whatever the profile was measured on."""
+    node_size = node_size_of(cfg, world)
+    return profile if node_size == profile.node_size else dataclasses.replace(profile, node_size=node_size)
 
 
 def preflight(cfg, world: int) -> tuple[LayoutRecord, Prediction] | None:
@@ -230,7 +237,7 @@ def preflight(cfg, world: int) -> tuple[LayoutRecord, Prediction] | None:
         return got
     parts = ", ".join(f"{k} {v:,.0f}" for k, v in p.memory_parts.items() if v)
     host = f"; host (offloaded optimizer state) {p.host_bytes:,.0f}" if p.host_bytes else ""
-    fits = fitting_layouts(cfg, world, profile_of(cfg, device), budget, device)[:3]
+    fits = fitting_layouts(cfg, world, _on_the_runs_nodes(profile_of(cfg, device), cfg, world), budget, device)[:3]
     if fits:
         alternatives = "; the fastest layouts that fit:\n" + "\n".join(
             f"  {r.label()}: {_gb(_need(q, device))} per rank, {q.step_s:.4g} s/step: {' '.join(r.overrides())}"
@@ -258,7 +265,7 @@ def resolve_auto(cfg, world: int, fixed: dict | None = None) -> tuple[LayoutReco
     if cfg.parallel.pp_layers is not None:
         fixed = {**(fixed or {}), "pp_layers": [int(k) for k in cfg.parallel.pp_layers]}
     device = _device(cfg)
-    profile = profile_of(cfg, device)
+    profile = _on_the_runs_nodes(profile_of(cfg, device), cfg, world)
     budget, what = memory_budget(cfg, device, world, capacity=True)
     _, ranked = plan_layouts(cfg, world, profile, fixed)
     fits = [(r, p) for r, p in ranked if _need(p, device) <= budget]

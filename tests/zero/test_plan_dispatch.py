@@ -244,3 +244,16 @@ def test_preflight_predicts_a_node_config_on_the_runs_nodes():
     assert p.step_s == want.step_s and p.memory_bytes == want.memory_bytes
     # one node holds the whole ep group: the trainer refuses it, so the planner does not judge it
     assert predict_config(cfg_of(*MODEL, *node, "parallel.node_size=4"), 8, cpu) is None
+
+
+def test_auto_lists_node_dispatch_by_the_runs_nodes():
+    """parallel=auto holding ep_dispatch=node: the layouts it ranks are those the trainer accepts on
+    the run's nodes (parallel.node_size=2 of 8 ranks), not on the profile's (cpu_2core: one node of
+    16, where no ep group spans two nodes and nothing could be picked)."""
+    from experiments.training.preflight import resolve_auto
+
+    cfg = cfg_of(*MODEL, "parallel.node_size=2")
+    rec, _, n = resolve_auto(cfg, 8, {"ep_dispatch": "node"})
+    assert n > 0 and rec.ep_dispatch == "node" and rec.ep % 2 == 0 and rec.ep > 2
+    assert cfg.parallel.ep_dispatch == "node" and cfg.parallel.ep == rec.ep
+    assert zplan.layout_problem(rec, 4, 4, None, 2) is None
