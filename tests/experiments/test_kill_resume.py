@@ -133,13 +133,16 @@ def runs(tmp_path_factory):
         single = train(cc.train_cfg(f"train.steps={STEPS}", f"train.checkpoint.every={EVERY}"), run_dir=root / "single")
     finally:
         torch.set_num_threads(n)
-    ref = torchrun(root / "ref", {}, f"{what} the uninterrupted run")
+    exits = root / "ref_exits.txt"
+    ref = torchrun(root / "ref", {"SWITCHYARD_TEST_EXIT_MARK": str(exits)}, f"{what} the uninterrupted run")
     assert ref.returncode == 0, f"{what} the uninterrupted run failed:\n{ref.stdout[-2000:]}\n{ref.stderr[-3000:]}"
     mark = root / "killed.txt"
     killed = torchrun(
         root / "killed", {"SWITCHYARD_TEST_KILL": ",".join(specs), "SWITCHYARD_TEST_KILL_MARK": str(mark)}, what
     )
-    return dict(what=what, specs=specs, kills=kills, root=root, single=single, ref=ref, killed=killed, mark=mark)
+    return dict(
+        what=what, specs=specs, kills=kills, root=root, single=single, ref=ref, killed=killed, mark=mark, exits=exits
+    )
 
 
 @pytest.mark.distributed
@@ -159,6 +162,15 @@ def test_the_killed_run_restarts_and_resumes_from_the_newest_complete_checkpoint
     # the killed saves were redone or pruned; keep_last=2
     assert [s for s, _ in zc.list_checkpoints(ckpts)] == [STEPS, STEPS - EVERY], f"{what} {sorted(os.listdir(ckpts))}"
     assert all(zc.verify(path) is None for _, path in zc.list_checkpoints(ckpts)), what
+
+
+@pytest.mark.distributed
+def test_a_finished_run_releases_its_process_group_before_the_interpreter_ends(runs):
+    # a process that exits holding a gloo group can abort in the interpreter's finalization
+    # (SIGABRT, "terminate called without an active exception") after a run that succeeded
+    # (experiments.train.release_process_group_at_exit): both ranks let it go in an exit handler
+    lines = sorted(runs["exits"].read_text().splitlines())
+    assert lines == ["0 False", "1 False"], lines
 
 
 @pytest.mark.distributed

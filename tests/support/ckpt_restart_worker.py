@@ -14,6 +14,8 @@ torchrun's attempt i (``TORCHELASTIC_RESTART_COUNT``); later attempts run undist
 
 Before dying the rank appends ``<moment>:<step>:<rank>`` as a line to ``SWITCHYARD_TEST_KILL_MARK``
 (fsynced), so the test knows which kills happened. Nothing is patched without ``SWITCHYARD_TEST_KILL``.
+With ``SWITCHYARD_TEST_EXIT_MARK`` each rank that exits normally appends whether it still held a
+process group when the last exit handler ran.
 """
 
 import os
@@ -105,6 +107,23 @@ def install(spec: str, rank: int) -> None:
 
         zero.ZeroEngine.step = step_and_die
 
+
+def _record_exit(path: str) -> None:
+    """At this process's exit, after every other exit handler (registered first, so run last): append
+    ``<rank> <whether a process group is still initialized>`` to ``path``."""
+    import atexit
+
+    def record():
+        import torch.distributed as dist
+
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')} {dist.is_initialized()}\n")
+
+    atexit.register(record)
+
+
+if os.environ.get("SWITCHYARD_TEST_EXIT_MARK"):
+    _record_exit(os.environ["SWITCHYARD_TEST_EXIT_MARK"])
 
 _kills = [k for k in os.environ.get("SWITCHYARD_TEST_KILL", "").split(",") if k]
 _attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
