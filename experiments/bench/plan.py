@@ -22,7 +22,9 @@ calibrated afresh (``python -m experiments.plan --calibrate``, 2-3 minutes) and 
 are predicted on that profile, the shipped profile's predictions kept beside; each calibration's
 drift from the shipped profile is printed (``profile_drift``). A shared machine's speed moves
 by up to 1.4x over tens of minutes, and a profile measured at another time carries that into
-every prediction.
+every prediction. ``SpeedProbe`` times model=small's forward and backward on every core
+right after each calibration and before each run, and each run's prediction times that ratio is
+reported beside the plain one: the machine's drift told from the model's error.
 Measured model-state bytes: ``zero.measure_memory`` of the engine after the last step's gradient
 reduction (the largest over the ranks). Measured peak: the trainer's ``summary.json`` memory (the
 CPU allocator's high-water mark through the profiler over the build and the first two steps,
@@ -139,6 +141,77 @@ def _rank_fn(rank, world, overrides, run_dir):
     return seen["memory"]["device_total"], summary["memory"]["measured_peak_bytes"]
 
 
+def _probe_worker(conn, batch: int, seq: int) -> None:
+    """One core's share of ``SpeedProbe``: model=small's forward and backward on ``batch`` x ``seq``
+    tokens (one thread), timed on request (the median of the steps asked for, after two)."""
+    import torch
+    import torch.nn.functional as nnf
+
+    from experiments.calibrate import _times
+    from moe.model import Transformer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = _one_rank_config({})
+    model = Transformer(cfg)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq))
+
+    def step():
+        nnf.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+
+    step()
+    while (steps := conn.recv()) is not None:
+        conn.send(statistics.median(_times(step, steps)))
+
+
+class SpeedProbe:
+    """How fast this machine runs the trainer's kind of work now, against when it was calibrated.
+
+    One process per core (as the runs' ranks: every core busy, one thread each) runs model=small's
+    forward and backward on one rank's micro-batch of the 2-rank layouts, all at once; the probe
+    is the median of their times. ``reference()`` takes it right after a calibration; ``factor()``
+    just before a run: its time over the reference's. A shared machine's speed moves by up to 1.4x
+    over tens of minutes, and more in the trainer's memory-bound operators than in the
+    calibration's matrix products (one session: a calibration predicted 2-rank data parallelism at
+    0.113 s, the runs minutes later took 0.157, the same runs 50 minutes earlier 0.113): the
+    factor scales a run's prediction to the machine it ran on. The processes wait, asleep, between
+    probes; a probe takes about half a second."""
+
+    def __init__(self, workers: int | None = None, batch: int = 8, seq: int = 128, steps: int = 5):
+        import multiprocessing as mp
+        import os
+
+        ctx = mp.get_context("spawn")
+        self.steps, self.conns, self.procs = steps, [], []
+        for _ in range(workers or os.cpu_count() or 1):
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=_probe_worker, args=(there, batch, seq), daemon=True)
+            proc.start()
+            self.conns.append(here)
+            self.procs.append(proc)
+        self.ref: float | None = None
+
+    def __call__(self) -> float:
+        for c in self.conns:  # every worker starts at once
+            c.send(self.steps)
+        return statistics.median(c.recv() for c in self.conns)
+
+    def reference(self) -> float:
+        self.ref = self()
+        return self.ref
+
+    def factor(self) -> float:
+        if self.ref is None:
+            raise RuntimeError("SpeedProbe.factor() before reference(): take the reference after the calibration")
+        return self() / self.ref
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+
+
 def _rank_skew(rows: list[dict], ep: int) -> float:
     """The largest, over the logged rows and MoE layers, of the busiest ep rank's routed rows over
     the ep ranks' mean (rank r holds experts [r E/ep, (r + 1) E/ep)); 1 without expert parallelism."""
@@ -208,6 +281,7 @@ def layout_row(rec: zplan.LayoutRecord, rs: list[dict]) -> dict:
         runs=rs,
         predicted_s=med("predicted_s"),
         predicted_s_shipped=med("predicted_s_shipped"),
+        predicted_s_at_speed=med("predicted_s_at_speed"),
         measured_s=med("measured_s"),
         predicted_model_states=rs[0]["predicted_model_states"],
         measured_model_states=max(r["measured_model_states"] for r in rs),
@@ -217,10 +291,7 @@ def layout_row(rec: zplan.LayoutRecord, rs: list[dict]) -> dict:
 
 
 def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, layouts=None) -> dict:
-    import os
-
-    from experiments.plan import background_load, compose, costs_of
-    from tests.support.dist import run_distributed
+    from experiments.plan import compose, costs_of
 
     shipped = zplan.load_profile("cpu_2core")
     cfg = compose(BASE)
@@ -236,6 +307,19 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
         recs.append(rec)
     runs: dict[int, list[dict]] = {i: [] for i in range(len(recs))}
     calibrations = []
+    probe = SpeedProbe()
+    try:
+        return _part_a_rounds(recs, runs, calibrations, probe, cfg, costs, shipped, tokens, steps, rounds, calibrate)
+    finally:
+        probe.close()
+
+
+def _part_a_rounds(recs, runs, calibrations, probe, cfg, costs, shipped, tokens, steps, rounds, calibrate) -> dict:
+    import os
+
+    from experiments.plan import background_load
+    from tests.support.dist import run_distributed
+
     # round robin: each layout's runs lie minutes apart, under whatever the neighbours run then
     for rnd in range(rounds):
         base = shipped
@@ -245,7 +329,12 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
             with tempfile.TemporaryDirectory() as tmp:
                 base = calibrate_here(Path(tmp) / f"cpu_round{rnd + 1}.yaml")
             calibrations.append(
-                dict(round=rnd + 1, drift_from_shipped=profile_drift(base, shipped), profile=base.to_dict())
+                dict(
+                    round=rnd + 1,
+                    drift_from_shipped=profile_drift(base, shipped),
+                    profile=base.to_dict(),
+                    probe_s=probe.reference(),
+                )
             )
             print(
                 f"| calibrated before round {rnd + 1}: against the shipped profile "
@@ -258,6 +347,11 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
             # load is measured just before each run
             load = background_load(os.cpu_count() or 1, 2.0)
             profile = dataclasses.replace(base, background_load=load)
+            # the machine's speed now against at the round's calibration (without --calibrate: at
+            # the first run, the shipped profile being another machine's)
+            if probe.ref is None:
+                probe.reference()
+            speed = probe.factor()
             overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
@@ -280,6 +374,8 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
             run = dict(
                 predicted_s=pred.step_s,
                 predicted_s_shipped=on_shipped.step_s,
+                speed_factor=speed,
+                predicted_s_at_speed=pred.step_s * speed,
                 measured_s=statistics.median(times),
                 step_times=times,
                 background_load=profile.background_load,
@@ -314,6 +410,7 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
     # how well the machine repeats itself: one layout's runs against their mean
     spread = [np.std([r["measured_s"] for r in row["runs"]]) / row["measured_s"] for row in rows] if rounds > 1 else [0]
     ps = np.array([r["predicted_s_shipped"] for r in rows])
+    pv = np.array([r["predicted_s_at_speed"] for r in rows])
     summary = dict(
         layouts=len(rows),
         rounds=rounds,
@@ -322,6 +419,9 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
         step_spearman=_spearman(p, m),
         step_mae_pct_shipped=float(np.mean(np.abs(ps - m) / m) * 100),
         step_spearman_shipped=_spearman(ps, m),
+        step_mae_pct_at_speed=float(np.mean(np.abs(pv - m) / m) * 100),
+        step_spearman_at_speed=_spearman(pv, m),
+        speed_factors=[round(r["speed_factor"], 3) for row in rows for r in row["runs"]],
         calibrations=calibrations,
         repeat_spread_pct=float(np.mean(spread) * 100),
         model_states_max_rel_err=float(np.max(np.abs(pm - mm) / mm)),
@@ -338,7 +438,9 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
             if calibrate
             else ""
         )
-        + f"; a layout's runs spread "
+        + f"; at the machine's speed of each run (SpeedProbe): {summary['step_mae_pct_at_speed']:.1f}%, "
+        f"rho {summary['step_spearman_at_speed']:.2f} (factors {min(summary['speed_factors']):.2f}-"
+        f"{max(summary['speed_factors']):.2f})" + f"; a layout's runs spread "
         f"{summary['repeat_spread_pct']:.0f}% (std / mean) on this shared machine; model-state bytes within "
         f"{summary['model_states_max_rel_err']:.2%} of measured; peak memory (the busiest rank's) off by "
         f"{summary['peak_mean_abs_err_pct']:.1f}% on average, {summary['peak_max_abs_err_pct']:.1f}% at most, "
