@@ -318,6 +318,7 @@ def test_the_planner_benchmarks_layout_row_is_the_median_run():
         dict(
             predicted_s=p,
             predicted_s_shipped=p + 0.01,
+            predicted_s_at_speed=p * 1.1,
             measured_s=m,
             predicted_model_states=5.0,
             measured_model_states=5.0 + i,
@@ -329,8 +330,35 @@ def test_the_planner_benchmarks_layout_row_is_the_median_run():
     row = layout_row(rec, runs)
     assert row["measured_s"] == pytest.approx(0.16) and row["predicted_s"] == pytest.approx(0.15)
     assert row["predicted_s_shipped"] == pytest.approx(0.16)
+    assert row["predicted_s_at_speed"] == pytest.approx(0.165)
     assert row["measured_peak"] == 10.0 and row["measured_model_states"] == 7.0  # the largest
     assert row["layout"] == rec.label() and row["runs"] is runs
+
+
+def test_the_speed_probes_factor_is_the_time_now_over_the_reference():
+    from experiments.bench.plan import SpeedProbe
+
+    probe = SpeedProbe.__new__(SpeedProbe)  # no processes: the times planted
+    probe.ref, times = None, iter([0.10, 0.13, 0.05])
+    probe.__class__ = type("Planted", (SpeedProbe,), {"__call__": lambda self: next(times)})
+    with pytest.raises(RuntimeError, match="before reference"):
+        probe.factor()
+    assert probe.reference() == 0.10
+    assert probe.factor() == pytest.approx(1.3) and probe.factor() == pytest.approx(0.5)
+
+
+@pytest.mark.distributed  # starts the probe's processes
+def test_the_speed_probe_times_its_work_on_every_worker_at_once():
+    from experiments.bench.plan import SpeedProbe
+
+    small, large = SpeedProbe(workers=2, batch=1, seq=16, steps=3), SpeedProbe(workers=2, batch=8, seq=128, steps=3)
+    try:
+        # 8 x 128 tokens through model=small take longer than 16 (2.7x here: the operators' own
+        # costs weigh on so few tokens)
+        assert 0 < 1.5 * small() < large()
+    finally:
+        small.close(), large.close()
+    assert all(not proc.is_alive() for proc in small.procs + large.procs)
 
 
 def test_the_planner_benchmarks_one_rank_shapes_start_from_the_trainers_model_small():
