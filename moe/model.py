@@ -8,8 +8,8 @@ RMSNorm, rotary positions (``moe.rope``), attention through
 ``torch.nn.functional.scaled_dot_product_attention``. The defaults are the model as it was before
 the open checkpoints' options: multi-head attention, J = D / H, half-split rotary, no scaling, no
 biases, ``is_causal=True``. Process groups are arguments: pass ``ep_group``/``dp_group`` or any
-object carrying them (a ``zero.Layout``; with its ``ep_dispatch="node"``, its ep node sub-groups
-too); ``None`` is one process.
+object carrying them (a ``zero.Layout``, and its ``ep_node_groups`` under ``ep_dispatch="node"``);
+``None`` is one process.
 
 The options the open MoE checkpoints need are general config fields (the adapters in ``moe/hf``
 map each family onto them):
@@ -69,9 +69,7 @@ class Transformer(nn.Module):
             if ep_group is not None or dp_group is not None:
                 raise ValueError("pass either layout or ep_group/dp_group, not both")
             ep_group, dp_group = getattr(layout, "ep_group", None), getattr(layout, "dp_group", None)
-        tiers = None
-        if layout is not None and getattr(layout, "ep_dispatch", "flat") == "node":
-            tiers = (layout.ep_intra_group, layout.ep_inter_group)
+        tiers = getattr(layout, "ep_node_groups", None)  # None: the flat dispatch
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(

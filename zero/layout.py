@@ -124,6 +124,12 @@ class Layout:
     ep_inter_group: object = None
 
     @property
+    def ep_node_groups(self) -> tuple[object, object] | None:
+        """``(ep_intra_group, ep_inter_group)`` under ``ep_dispatch="node"`` (what ``MoELayer``'s
+        ``ep_node_groups`` takes), else None: the flat dispatch."""
+        return (self.ep_intra_group, self.ep_inter_group) if self.ep_dispatch == "node" else None
+
+    @property
     def edp(self) -> int:
         return self.dp // self.ep
 

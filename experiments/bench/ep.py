@@ -115,9 +115,8 @@ def _run(rank, world, port, args, out_q):
     dispatches = ["flat", "node"] if args.node_size else ["flat"]
     for dispatch in dispatches:
         layout = Layout.build(ep=world, num_experts=cfg.num_experts, node_size=node_size, ep_dispatch=dispatch)
-        tiers = (layout.ep_intra_group, layout.ep_inter_group) if dispatch == "node" else None
         torch.manual_seed(0)
-        model = MoEStack(cfg, args.layers, layout.ep_group, layout.dp_group, tiers).to(device)
+        model = MoEStack(cfg, args.layers, layout.ep_group, layout.dp_group, layout.ep_node_groups).to(device)
         engine = ZeroEngine(model, layout, stage=0, optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-4))
 
         def ep_step():

@@ -291,7 +291,10 @@ def layout_row(rec: zplan.LayoutRecord, rs: list[dict]) -> dict:
 
 
 def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, layouts=None) -> dict:
-    from experiments.plan import compose, costs_of
+    import os
+
+    from experiments.plan import background_load, compose, costs_of
+    from tests.support.dist import run_distributed
 
     shipped = zplan.load_profile("cpu_2core")
     cfg = compose(BASE)
@@ -307,99 +310,87 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
         recs.append(rec)
     runs: dict[int, list[dict]] = {i: [] for i in range(len(recs))}
     calibrations = []
-    probe = SpeedProbe()
-    try:
-        return _part_a_rounds(recs, runs, calibrations, probe, cfg, costs, shipped, tokens, steps, rounds, calibrate)
-    finally:
-        probe.close()
-
-
-def _part_a_rounds(recs, runs, calibrations, probe, cfg, costs, shipped, tokens, steps, rounds, calibrate) -> dict:
-    import os
-
-    from experiments.plan import background_load
-    from tests.support.dist import run_distributed
-
-    # round robin: each layout's runs lie minutes apart, under whatever the neighbours run then
-    for rnd in range(rounds):
-        base = shipped
-        if calibrate:
-            # the machine's speed moves over tens of minutes: each round is predicted on a profile
-            # measured just before it (the shipped profile's predictions are kept beside)
-            with tempfile.TemporaryDirectory() as tmp:
-                base = calibrate_here(Path(tmp) / f"cpu_round{rnd + 1}.yaml")
-            calibrations.append(
-                dict(
-                    round=rnd + 1,
-                    drift_from_shipped=profile_drift(base, shipped),
-                    profile=base.to_dict(),
-                    probe_s=probe.reference(),
+    with contextlib.closing(SpeedProbe()) as probe:
+        # round robin: each layout's runs lie minutes apart, under whatever the neighbours run then
+        for rnd in range(rounds):
+            base = shipped
+            if calibrate:
+                # the machine's speed moves over tens of minutes: each round is predicted on a profile
+                # measured just before it (the shipped profile's predictions are kept beside)
+                with tempfile.TemporaryDirectory() as tmp:
+                    base = calibrate_here(Path(tmp) / f"cpu_round{rnd + 1}.yaml")
+                calibrations.append(
+                    dict(
+                        round=rnd + 1,
+                        drift_from_shipped=profile_drift(base, shipped),
+                        profile=base.to_dict(),
+                        probe_s=probe.reference(),
+                    )
                 )
-            )
-            print(
-                f"| calibrated before round {rnd + 1}: against the shipped profile "
-                + ", ".join(f"{k} x{v:.2f}" for k, v in calibrations[-1]["drift_from_shipped"].items())
-                + " |",
-                flush=True,
-            )
-        for i, rec in enumerate(recs):
-            # the machine is shared and its other work comes and goes: the profile's background
-            # load is measured just before each run
-            load = background_load(os.cpu_count() or 1, 2.0)
-            profile = dataclasses.replace(base, background_load=load)
-            # the machine's speed now against at the round's calibration (without --calibrate: at
-            # the first run, the shipped profile being another machine's)
-            if probe.ref is None:
-                probe.reference()
-            speed = probe.factor()
-            overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
-            with tempfile.TemporaryDirectory() as tmp:
-                t0 = time.perf_counter()
-                got = run_distributed(_rank_fn, rec.world, overrides, str(Path(tmp) / "run"), timeout=900)
-                wall = time.perf_counter() - t0
-                lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
-            rows_logged = [json.loads(x) for x in lines]
-            times = [tokens / r["tokens_per_s"] for r in rows_logged][2:]  # the first two warm up
-            # the peak's routing: the busiest ep rank's routed rows over the mean in the steps the
-            # memory meter watched, the skew the memory is predicted at (dropless; the planner's
-            # default is the worst case, which no run of a trained router comes near)
-            skew = _rank_skew(rows_logged[:2], rec.ep)
-            pred_mem = zplan.predict(rec, costs, profile, skew=skew)
-            # the time's: the same ratio, the mean over the steps timed (the All-to-Alls wait for it)
-            time_skew = statistics.mean(_rank_skew([r], rec.ep) for r in rows_logged[2:])
-            pred = zplan.predict(rec, costs, profile, time_skew=time_skew)
-            # without --calibrate the round's profile is the shipped one: the same prediction
-            at_load = dataclasses.replace(shipped, background_load=load)
-            on_shipped = zplan.predict(rec, costs, at_load, time_skew=time_skew) if calibrate else pred
-            run = dict(
-                predicted_s=pred.step_s,
-                predicted_s_shipped=on_shipped.step_s,
-                speed_factor=speed,
-                predicted_s_at_speed=pred.step_s * speed,
-                measured_s=statistics.median(times),
-                step_times=times,
-                background_load=profile.background_load,
-                predicted_model_states=pred.memory_parts["model_states"],
-                measured_model_states=max(m for m, _ in got),
-                # the CPU ranks' one memory holds the offloaded optimizer state too
-                predicted_peak=pred_mem.memory_bytes + pred_mem.host_bytes,
-                predicted_parts=pred_mem.memory_parts,
-                skew=skew,
-                time_skew=time_skew,
-                predicted_peak_worst_case=pred.memory_bytes + pred.host_bytes,
-                measured_peak=max(got[0][1]),  # the busiest rank's, as the prediction is
-                measured_peaks=got[0][1],
-                wall_s=wall,
-            )
-            runs[i].append(run)
-            print(
-                f"| {rnd + 1} | {rec.world} | {rec.label()} | {run['background_load']:.1f} | {pred.step_s:.3f} "
-                f"| {run['measured_s']:.3f} | {abs(pred.step_s - run['measured_s']) / run['measured_s']:.0%} "
-                f"| {run['predicted_model_states'] / 1e6:.3f} | {run['measured_model_states'] / 1e6:.3f} "
-                f"| {run['predicted_peak'] / 1e6:.2f} | {run['measured_peak'] / 1e6:.2f} "
-                f"| {run['measured_peak'] / run['predicted_peak'] - 1:+.1%} |",
-                flush=True,
-            )
+                print(
+                    f"| calibrated before round {rnd + 1}: against the shipped profile "
+                    + ", ".join(f"{k} x{v:.2f}" for k, v in calibrations[-1]["drift_from_shipped"].items())
+                    + " |",
+                    flush=True,
+                )
+            for i, rec in enumerate(recs):
+                # the machine is shared and its other work comes and goes: the profile's background
+                # load is measured just before each run
+                load = background_load(os.cpu_count() or 1, 2.0)
+                profile = dataclasses.replace(base, background_load=load)
+                # the machine's speed now against at the round's calibration (without --calibrate: at
+                # the first run, the shipped profile being another machine's)
+                if probe.ref is None:
+                    probe.reference()
+                speed = probe.factor()
+                overrides = [*BASE, f"train.steps={steps}", *rec.overrides()]
+                with tempfile.TemporaryDirectory() as tmp:
+                    t0 = time.perf_counter()
+                    got = run_distributed(_rank_fn, rec.world, overrides, str(Path(tmp) / "run"), timeout=900)
+                    wall = time.perf_counter() - t0
+                    lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+                rows_logged = [json.loads(x) for x in lines]
+                times = [tokens / r["tokens_per_s"] for r in rows_logged][2:]  # the first two warm up
+                # the peak's routing: the busiest ep rank's routed rows over the mean in the steps the
+                # memory meter watched, the skew the memory is predicted at (dropless; the planner's
+                # default is the worst case, which no run of a trained router comes near)
+                skew = _rank_skew(rows_logged[:2], rec.ep)
+                pred_mem = zplan.predict(rec, costs, profile, skew=skew)
+                # the time's: the same ratio, the mean over the steps timed (the All-to-Alls wait for it)
+                time_skew = statistics.mean(_rank_skew([r], rec.ep) for r in rows_logged[2:])
+                pred = zplan.predict(rec, costs, profile, time_skew=time_skew)
+                # without --calibrate the round's profile is the shipped one: the same prediction
+                at_load = dataclasses.replace(shipped, background_load=load)
+                on_shipped = zplan.predict(rec, costs, at_load, time_skew=time_skew) if calibrate else pred
+                run = dict(
+                    predicted_s=pred.step_s,
+                    predicted_s_shipped=on_shipped.step_s,
+                    speed_factor=speed,
+                    predicted_s_at_speed=pred.step_s * speed,
+                    measured_s=statistics.median(times),
+                    step_times=times,
+                    background_load=profile.background_load,
+                    predicted_model_states=pred.memory_parts["model_states"],
+                    measured_model_states=max(m for m, _ in got),
+                    # the CPU ranks' one memory holds the offloaded optimizer state too
+                    predicted_peak=pred_mem.memory_bytes + pred_mem.host_bytes,
+                    predicted_parts=pred_mem.memory_parts,
+                    skew=skew,
+                    time_skew=time_skew,
+                    predicted_peak_worst_case=pred.memory_bytes + pred.host_bytes,
+                    measured_peak=max(got[0][1]),  # the busiest rank's, as the prediction is
+                    measured_peaks=got[0][1],
+                    wall_s=wall,
+                )
+                runs[i].append(run)
+                print(
+                    f"| {rnd + 1} | {rec.world} | {rec.label()} | {run['background_load']:.1f} | {pred.step_s:.3f} "
+                    f"| {run['measured_s']:.3f} | {abs(pred.step_s - run['measured_s']) / run['measured_s']:.0%} "
+                    f"| {run['predicted_model_states'] / 1e6:.3f} | {run['measured_model_states'] / 1e6:.3f} "
+                    f"| {run['predicted_peak'] / 1e6:.2f} | {run['measured_peak'] / 1e6:.2f} "
+                    f"| {run['measured_peak'] / run['predicted_peak'] - 1:+.1%} |",
+                    flush=True,
+                )
     rows = [layout_row(rec, runs[i]) for i, rec in enumerate(recs)]
     p = np.array([r["predicted_s"] for r in rows])
     m = np.array([r["measured_s"] for r in rows])

@@ -218,7 +218,7 @@ def patch(model: nn.Module, ep_group=None, dp_group=None, ep_node_groups=None) -
     rank must call ``patch`` on the same model with the same group. ``dp_group``: the data-parallel
     group over which the layer reduces its routing statistics. None means one process for either.
     ``ep_node_groups``: ``(intra, inter)``, the ep group's node sub-groups (a ``zero.Layout`` built
-    with ``ep_dispatch="node"``: ``(layout.ep_intra_group, layout.ep_inter_group)``): each token
+    with ``ep_dispatch="node"``: ``layout.ep_node_groups``): each token
     then crosses to a node once (``moe.dispatch.NodeDispatcher``)."""
     import transformers
 

@@ -178,8 +178,7 @@ def _zero_rank(rank, world, arch, out_dir):
     layout = zero.Layout.build(
         ep=2, num_experts=num_experts, node_size=1 if node else None, ep_dispatch="node" if node else "flat"
     )
-    tiers = (layout.ep_intra_group, layout.ep_inter_group) if node else None
-    hf.patch(model, ep_group=layout.ep_group, dp_group=layout.dp_group, ep_node_groups=tiers)
+    hf.patch(model, ep_group=layout.ep_group, dp_group=layout.dp_group, ep_node_groups=layout.ep_node_groups)
     engine = zero.ZeroEngine(model, layout, stage=3, blocks=list(model.model.layers), optimizer=_zero_optimizer)
     ids = _zero_batch()[rank : rank + 1]  # this rank's share of the global batch
     losses, grads = [], []

@@ -46,10 +46,6 @@ def skew_router(layer: MoELayer, experts: list[int]) -> None:
     # inputs of the skew cases are positive in odd dims, negative in even dims
 
 
-def _node_groups(layout: Layout):
-    return (layout.ep_intra_group, layout.ep_inter_group) if layout.ep_dispatch == "node" else None
-
-
 def _rows_sent_off_node(layout: Layout, calls: list) -> int:
     """Rows the layer's first All-to-All (the dispatch: over the inter group under
     ``ep_dispatch="node"``, else the ep group) sent to ranks on other nodes."""
@@ -76,7 +72,7 @@ def layer_case(layout: Layout, cfg: MoEConfig, T_local: int, skew: list[int] | N
     full = MoELayer(cfg)
     if skew is not None:
         skew_router(full, skew)
-    layer = MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group, ep_node_groups=_node_groups(layout))
+    layer = MoELayer(cfg, ep_group=layout.ep_group, dp_group=layout.dp_group, ep_node_groups=layout.ep_node_groups)
     copy_full_into_sharded(layer, full)
     routed, calls = [], []
     layer.router.register_forward_hook(lambda m, a, out: routed.append(out.expert_ids_TK.clone()))
@@ -139,7 +135,7 @@ class TinyMoENet(nn.Module):
 def train_case(layout: Layout, cfg: MoEConfig, steps: int, global_bs: int, max_norm: float | None, d_in: int = 8):
     torch.manual_seed(0)
     full = TinyMoENet(cfg, d_in)
-    model = TinyMoENet(cfg, d_in, layout.ep_group, layout.dp_group, _node_groups(layout))
+    model = TinyMoENet(cfg, d_in, layout.ep_group, layout.dp_group, layout.ep_node_groups)
     copy_full_into_sharded(model, full)
     # the stage-0 engine (plain data parallelism) with the reference's optimizer
     engine = ZeroEngine(
