@@ -724,6 +724,8 @@ CASES = {
         # simulated 16-32 stage pipelines: hours of Python): pp, ep, ZeRO, checkpointing, schedule
         fixed=dict(grad_accum=1),
         microbatches=(15, 20, 30, 40, 60, 120),
+        # what the run had and this trainer has not (the comparison adds them one at a time)
+        lacks="its memory savings without full recomputation, DualPipe's overlap, FP8 products",
     ),
     "Mixtral-8x7B on 64 H100": dict(
         cfg=mixtral_8x7b,
@@ -762,6 +764,53 @@ def _published(case: dict, costs, profile: zplan.Profile, skew: float, **overrid
             if best is None or (p.fits, -p.step_s) > (best[1].fits, -best[1].step_s):
                 best = (rec, p)
     return best
+
+
+def fp8_products(profile: zplan.Profile) -> zplan.Profile:
+    """``profile`` with its bf16 products at twice the rate: FP8 tensor cores (an H800's and an
+    H100's dense FP8 peak is 1,979 TFLOP/s, twice bf16's 989: NVIDIA's product briefs), at the same
+    share of peak as the profile's bf16 figure. Attention's own products stay at bf16's rate (DeepSeek-V3 ran
+    its attention core in bf16): a profile without an attention table gets its bf16 product rate
+    as one. For the comparison with a published run only; this trainer has no FP8 products."""
+    d = profile.to_dict()
+    bf16 = d["matmul_flops"].get("bf16")
+    if not bf16:
+        raise ValueError(f"profile {profile.name} has no bf16 product rates to double: {sorted(d['matmul_flops'])}")
+    d["matmul_flops"] = dict(d["matmul_flops"], bf16=[[*shape, 2 * rate] for *shape, rate in bf16])
+    if not d.get("attention_flops"):
+        # one point: its rate everywhere, with the planner's backward-to-forward ratio for attention (2.5)
+        d["attention_flops"] = {"bf16": [[4096.0, 128.0, max(rate for *_, rate in bf16), 2.5]]}
+    d["name"] = f"{profile.name}, products in fp8"
+    return zplan.Profile.from_dict(d)
+
+
+def missing_features(rec: zplan.LayoutRecord, costs, profile: zplan.Profile, skew: float) -> list[dict]:
+    """The planner's arithmetic for what a published run had that this trainer lacks, added one at
+    a time to ``rec`` (the published layout as this trainer runs it): no recomputation (the run's
+    memory savings let it keep its activations), DualPipe's overlap (the All-to-All hidden behind
+    the paired micro-batch's compute: the step less its whole All-to-All time, the most the overlap
+    can hide) and FP8 products (``fp8_products``). Tokens/s of the whole run, step seconds and the
+    predicted peak (what the trainer would need to hold without the run's memory savings)."""
+    whole = dataclasses.replace(rec, checkpoint_activations=False)
+    out = []
+    for label, r, prof, overlap in (
+        ("as this trainer runs it", rec, profile, False),
+        ("without recomputation", whole, profile, False),
+        ("and the All-to-All hidden (DualPipe)", whole, profile, True),
+        ("and FP8 products", whole, fp8_products(profile), True),
+    ):
+        p = zplan.predict(r, costs, profile=prof, skew=skew)
+        step = p.step_s - (p.time_parts["moe_comm"] if overlap else 0.0)
+        out.append(
+            dict(
+                what=label,
+                step_s=step,
+                tokens_per_s=rec.batch_size * costs.seq_len / step,
+                memory_gb=p.memory_bytes / 1e9,
+                moe_comm_s=p.time_parts["moe_comm"],
+            )
+        )
+    return out
 
 
 def _position(rec, p, ranked) -> int:
@@ -832,6 +881,8 @@ def part_b(skew: float) -> dict:
                 moe_comm_s=f_p.time_parts["moe_comm"],
                 rank=_position(f_rec, f_p, ranked),
             )
+        if case.get("lacks"):
+            res["missing_features"] = missing_features(rec, costs, profile, skew)
         out[name] = res
         print(f"\n{name} ({profile.name}, skew {skew}): published layout {rec.label()}")
         print(
@@ -857,6 +908,14 @@ def part_b(skew: float) -> dict:
         )
         for label, t, g in res["best"]:
             print(f"    {label}: {t:,.0f}, {g:.1f}")
+        if "missing_features" in res:
+            print(f"  what the run had that this trainer lacks ({case['lacks']}), added one at a time:")
+            for w in res["missing_features"]:
+                t = w["tokens_per_s"] / case["world"]
+                print(
+                    f"    {w['what']}: {t:,.0f} tokens/s per GPU (ratio {t / published:.2f}), "
+                    f"step {w['step_s']:.1f} s, {w['memory_gb']:.0f} GB"
+                )
     return out
 
 

@@ -129,3 +129,58 @@ def test_bpe_compute_quick_trains_both_at_matched_flops(tmp_path):
         assert summary["steps"] == summary["last_step"] == run["steps"], name
         assert math.isfinite(run["val_loss"]) and math.isfinite(run["val_bpb"]), name
     assert json.loads((tmp_path / "bpe_compute.json").read_text())["runs"]["bpe"]["steps"] == bpe["steps"]
+
+
+def _small_moe_costs():
+    from moe import MoEConfig
+    from moe.costs import model_costs
+    from moe.model import TransformerConfig
+
+    # wide enough that an H800's products are bound by their FLOPs, not their operands' bytes
+    m = MoEConfig(d_model=2048, d_ff=4096, num_experts=8, top_k=2)
+    cfg = TransformerConfig(vocab_size=1024, d_model=2048, n_layers=4, n_heads=16, d_ff=4096, max_seq_len=2048, moe=m)
+    return model_costs(cfg, 2048, act_dtype="bf16")
+
+
+def test_fp8_products_doubles_the_products_and_leaves_attention_at_bf16():
+    import zero.plan as zplan
+    from experiments.bench.plan import fp8_products
+
+    h800 = zplan.load_profile("h800_node")
+    fp8 = fp8_products(h800)
+    for shape in ((8192, 7168, 2048), (512, 256, 256)):
+        assert fp8.matmul_rate("bf16", *shape) == pytest.approx(2 * h800.matmul_rate("bf16", *shape))
+    assert fp8.matmul_rate("fp32", 8192, 8192, 8192) == h800.matmul_rate("fp32", 8192, 8192, 8192)
+    # h800_node measures no attention: its products took the matmul rate, and keep bf16's
+    assert h800.attention_rate("bf16", 4096, 192) is None
+    assert fp8.attention_rate("bf16", 4096, 192) == pytest.approx((h800.matmul_rate("bf16", 1, 1, 1), 2.5))
+    no_bf16 = zplan.Profile.from_dict({**h800.to_dict(), "matmul_flops": {"fp32": [[8192, 6.7e13]]}})
+    with pytest.raises(ValueError, match="no bf16 product rates"):
+        fp8_products(no_bf16)
+
+
+def test_missing_features_adds_each_of_the_published_runs_features_once():
+    import zero.plan as zplan
+    from experiments.bench.plan import fp8_products, missing_features
+
+    costs = _small_moe_costs()
+    h800 = zplan.load_profile("h800_node")
+    rec = zplan.LayoutRecord(world=4, batch_size=16, ep=4, mixed_precision="bf16", checkpoint_activations=True)
+    rows = missing_features(rec, costs, h800, skew=1.5)
+    assert [r["what"] for r in rows][0] == "as this trainer runs it"
+    as_run = zplan.predict(rec, costs, h800, skew=1.5)
+    whole = zplan.predict(
+        zplan.LayoutRecord(world=4, batch_size=16, ep=4, mixed_precision="bf16"), costs, h800, skew=1.5
+    )
+    assert rows[0]["step_s"] == pytest.approx(as_run.step_s)
+    assert rows[1]["step_s"] == pytest.approx(whole.step_s) and rows[1]["memory_gb"] > rows[0]["memory_gb"]
+    # the overlap hides exactly the step's All-to-All, which this layout has
+    assert whole.time_parts["moe_comm"] > 0
+    assert rows[2]["step_s"] == pytest.approx(whole.step_s - whole.time_parts["moe_comm"])
+    fp8 = zplan.predict(
+        zplan.LayoutRecord(world=4, batch_size=16, ep=4, mixed_precision="bf16"), costs, fp8_products(h800), skew=1.5
+    )
+    assert rows[3]["step_s"] == pytest.approx(fp8.step_s - fp8.time_parts["moe_comm"])
+    assert rows[3]["step_s"] < rows[2]["step_s"]
+    tokens = 16 * costs.seq_len
+    assert all(r["tokens_per_s"] == pytest.approx(tokens / r["step_s"]) for r in rows)
