@@ -74,6 +74,10 @@ class PipelinePlan:
     schedule: str
     microbatches: int
     ranges: tuple[tuple[int, int], ...]  # [lo, hi) of each stage, by global stage index
+    # dualpipev: each overlapped forward-backward pair runs its two passes at once, the backward's
+    # collectives on groups of their own (``Pipeline``), so one pass's All-to-All waits beside the
+    # other's compute
+    overlap: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -111,6 +115,7 @@ def plan_pipeline(
     pp_microbatches: int = 1,
     pp_virtual_stages: int = 1,
     pp_layers: list[int] | None = None,
+    pp_overlap: bool = False,
 ) -> PipelinePlan:
     """Validate a pipeline configuration (before any collective) and cut ``num_layers`` layers
     into stages: ``pp_layers`` gives the layers of each of the ``pp * pp_virtual_stages`` stages in
@@ -120,6 +125,7 @@ def plan_pipeline(
             raise ValueError(f"{name}={v!r} is invalid: expected a positive integer")
     if pp_schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule={pp_schedule!r} is invalid: expected one of {sorted(SCHEDULES)}")
+    validate_pp_overlap(pp_schedule, pp_overlap)
     style, v, m = SCHEDULES[pp_schedule][1], pp_virtual_stages, pp_microbatches
     if style == "single" and v != 1:
         raise ValueError(
@@ -172,7 +178,26 @@ def plan_pipeline(
     for k in sizes:
         ranges.append((lo, lo + k))
         lo += k
-    return PipelinePlan(pp=pp, virtual=v, schedule=pp_schedule, microbatches=m, ranges=tuple(ranges))
+    return PipelinePlan(
+        pp=pp, virtual=v, schedule=pp_schedule, microbatches=m, ranges=tuple(ranges), overlap=pp_overlap
+    )
+
+
+# the schedules whose order has overlapped forward-backward pairs (torch's OVERLAP_F_B actions)
+OVERLAP_SCHEDULES = frozenset({"dualpipev"})
+
+
+def validate_pp_overlap(pp_schedule: str, pp_overlap) -> None:
+    """``pp_overlap`` (``parallel.pp_overlap``) is a bool, true only under a schedule with overlapped
+    forward-backward pairs (``OVERLAP_SCHEDULES``)."""
+    if not isinstance(pp_overlap, bool):
+        raise ValueError(f"pp_overlap={pp_overlap!r} is invalid: expected true or false")
+    if pp_overlap and pp_schedule not in OVERLAP_SCHEDULES:
+        raise ValueError(
+            f"pp_overlap=true needs a schedule with overlapped forward-backward pairs "
+            f"({', '.join(sorted(OVERLAP_SCHEDULES))}), but pp_schedule={pp_schedule}: use "
+            f"pp_schedule=dualpipev, or pp_overlap=false"
+        )
 
 
 class _EngineStage(tpp.PipelineStage):

@@ -52,6 +52,11 @@ def build_plan(cfg: DictConfig) -> PipelinePlan | None:
     exists: each error names the keys and the numbers."""
     pcfg = cfg.parallel
     if pcfg.pp == 1:
+        if pcfg.pp_overlap:
+            raise ValueError(
+                "parallel.pp_overlap=true overlaps a pipeline's forward-backward pairs, but parallel.pp=1: use "
+                "parallel.pp >= 2 with parallel.pp_schedule=dualpipev, or parallel.pp_overlap=false"
+            )
         return None
     v = int(pcfg.pp_virtual_stages)
     m = int(pcfg.pp_microbatches) if pcfg.pp_microbatches is not None else 2 * int(pcfg.pp) * v
@@ -64,6 +69,7 @@ def build_plan(cfg: DictConfig) -> PipelinePlan | None:
             pp_microbatches=m,
             pp_virtual_stages=v,
             pp_layers=layers,
+            pp_overlap=pcfg.pp_overlap,
         )
     except ValueError as e:
         raise ValueError(f"parallel.{e}") from None

@@ -171,6 +171,9 @@ class ParallelConfig:
     pp_microbatches: int | None = None  # micro-batches per step through the pipeline; null: 2 x pp x pp_virtual_stages
     pp_virtual_stages: int = 1  # stages per pipeline rank: 1, >= 2 for interleaved_*, 2 for zbv and dualpipev
     pp_layers: list[int] | None = None  # layers of each stage in order (sum n_layers + 2); null: as even as possible
+    # dualpipev only: each overlapped forward-backward pair runs its two passes at once (the backward's
+    # collectives on process groups of their own), so one pass's All-to-All waits beside the other's compute
+    pp_overlap: bool = False
     zero_stage: int = 0  # 0 replicated | 1 shard optimizer state | 2 + gradients | 3 + parameters
     # none | cpu (ZeRO-Offload: optimizer state, fp32 masters and the step on the CPU) | nvme
     # (ZeRO-Infinity: the step on the CPU, masters and state in files under offload_dir, and at
