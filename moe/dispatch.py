@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import routing_kernels as rk
-from routing_kernels.runtime import all_to_all, group_rank, group_size
+from routing_kernels.runtime import all_to_all, all_to_all_single, group_rank, group_size
 
 from .experts import GroupedExperts
 
@@ -110,7 +110,7 @@ def _flat_exchange(group, x_TD, counts_E, dest_TK, weights_TK, experts: GroupedE
     # 1. exchange counts: recv_RX[r, x] = rows rank r sends to my local expert x
     send_RX = counts_E.view(R, X)
     recv_RX = torch.empty_like(send_RX)
-    torch.distributed.all_to_all_single(recv_RX, send_RX.contiguous(), group=group)
+    all_to_all_single(recv_RX, send_RX.contiguous(), None, None, group)
     send_splits = send_RX.sum(1).tolist()
     recv_splits = recv_RX.sum(1).tolist()
     # 2. rows in global-expert order are already grouped by destination rank
@@ -179,7 +179,7 @@ class NodeDispatcher:
         row_node, row_token = need[:, :T].nonzero(as_tuple=True)
         send_counts = torch.bincount(row_node, minlength=nodes)
         recv_counts = torch.empty_like(send_counts)
-        torch.distributed.all_to_all_single(recv_counts, send_counts, group=self.inter)
+        all_to_all_single(recv_counts, send_counts, None, None, self.inter)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
         # each row's slots on its node: their ids within the node, the rest dropped (weight 0)
         row_on = node_TK.index_select(0, row_token) == row_node[:, None]
@@ -188,7 +188,7 @@ class NodeDispatcher:
         x_recv = all_to_all(x_TD.index_select(0, row_token), recv_splits, send_splits, self.inter)
         weights_recv = all_to_all(row_weights, recv_splits, send_splits, self.inter)
         ids_recv = row_ids.new_empty((sum(recv_splits), row_ids.shape[1]))
-        torch.distributed.all_to_all_single(ids_recv, row_ids, recv_splits, send_splits, group=self.inter)
+        all_to_all_single(ids_recv, row_ids, recv_splits, send_splits, self.inter)
         if members == 1:  # the node is this rank: its experts in tokens mode
             counts_X, _, dest_recv = rk.routing_metadata(ids_recv, X)
             y_recv = experts(x_recv, counts_X, dest_TK=dest_recv, weights_TK=weights_recv.to(x_recv.dtype))

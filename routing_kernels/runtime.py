@@ -3,6 +3,11 @@
 - Collectives where ``group=None`` means one process (a no-op or the identity), so every caller
   has the single-process path for free; the All-to-All is differentiable, its backward the same
   exchange with the split sizes swapped.
+- Lanes (``comm_lane``): a thread that runs one pass while another thread runs another (a
+  pipeline's overlapped forward-backward pair) issues its collectives on process groups of its own,
+  given as a map from each group to its twin; every collective here resolves its group through
+  ``lane_group``. Two passes on one group would interleave their collectives in whatever order
+  the threads reach them, which differs from rank to rank.
 - ``in_backward()``: whether autograd is running a backward pass (activation checkpointing re-runs
   forwards there; statistics and ZeRO's forward hooks must not count those twice).
 - The expert-parameter mark: the experts module tags each of its parameters with the global index
@@ -13,13 +18,36 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 # --- collectives ---------------------------------------------------------------------------------
+
+_lane = threading.local()
+
+
+@contextlib.contextmanager
+def comm_lane(twins: Mapping):
+    """Within, this thread's collectives run on ``twins[group]`` instead of ``group`` (groups not in
+    the map stay as they are); other threads are not affected."""
+    before = getattr(_lane, "twins", None)
+    _lane.twins = twins
+    try:
+        yield
+    finally:
+        _lane.twins = before
+
+
+def lane_group(group):
+    """The group this thread's collectives on ``group`` run on (``comm_lane``)."""
+    if group is None or torch.compiler.is_compiling():
+        return group
+    twins = getattr(_lane, "twins", None)
+    return group if not twins else twins.get(group, group)
 
 
 def group_size(group) -> int:
@@ -32,7 +60,7 @@ def group_rank(group) -> int:
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=lane_group(group))
     return t
 
 
@@ -40,13 +68,13 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool 
     """Every rank's ``inp`` concatenated into ``out`` (``all_gather_single`` where this torch has it,
     the older ``all_gather_into_tensor`` otherwise)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    return fn(out, inp, group=lane_group(group), async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """The sum over ranks of ``inp``, this rank's 1/W slice into ``out``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    return fn(out, inp, group=lane_group(group), async_op=async_op)
 
 
 def gather_rows(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -57,7 +85,7 @@ def gather_rows(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     n, me = group_size(group), group_rank(group)
     sizes = torch.zeros(n, dtype=torch.long, device=t.device)
     sizes[me] = t.shape[0]
-    dist.all_reduce(sizes, group=group)
+    dist.all_reduce(sizes, group=lane_group(group))
     sizes_l = sizes.tolist()
     pad = max(sizes_l)
     buf = t.new_zeros((pad,) + tuple(t.shape[1:]))
@@ -68,6 +96,11 @@ def gather_rows(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     return torch.cat(parts), sum(sizes_l[:me])
 
 
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_splits, input_splits, group, async_op=False):
+    """``torch.distributed.all_to_all_single`` on this thread's lane of ``group`` (``lane_group``)."""
+    return dist.all_to_all_single(out, inp, output_splits, input_splits, group=lane_group(group), async_op=async_op)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
@@ -76,14 +109,15 @@ class _AllToAll(torch.autograd.Function):
         ctx.input_splits = input_splits
         x = x.contiguous()
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+        all_to_all_single(out, x, output_splits, input_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.input_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad, ctx.input_splits, ctx.output_splits, group=ctx.group)
+        # the group's twin where the backward runs in a lane (``comm_lane``), not the forward's
+        all_to_all_single(out, grad, ctx.input_splits, ctx.output_splits, ctx.group)
         return out, None, None, None
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from routing_kernels.runtime import all_gather_into, group_size, reduce_scatter_into
+from routing_kernels.runtime import all_gather_into, group_size, lane_group, reduce_scatter_into
 
 LABELS = (
     "setup",  # the construction's broadcast of the initial weights (reported apart, never per step)
@@ -232,14 +232,14 @@ class CommCounter:
         if group_size(group) == 1:
             return None
         self.add(label, *all_reduce_bytes(_nbytes(t), self.tiers(group)))
-        return dist.all_reduce(t, group=group, async_op=async_op)
+        return dist.all_reduce(t, group=lane_group(group), async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, group, *, label: str):
         """``src``: a global rank, as ``torch.distributed.broadcast`` takes it."""
         if group_size(group) == 1:
             return None
         self.add(label, *broadcast_bytes(_nbytes(t), self.tiers(group), src))
-        return dist.broadcast(t, src=src, group=group)
+        return dist.broadcast(t, src=src, group=lane_group(group))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group, *, label: str, async_op: bool = False):
         """Equal splits along dimension 0: ``inp``'s i-th 1/W goes to the group's i-th member."""
@@ -250,4 +250,4 @@ class CommCounter:
         if inp.shape[0] % W:
             raise ValueError(f"all_to_all of {inp.shape[0]} rows over {W} ranks needs equal splits")
         self.add(label, *all_to_all_bytes([_nbytes(inp) // W] * W, self.tiers(group)))
-        return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+        return dist.all_to_all_single(out, inp, group=lane_group(group), async_op=async_op)

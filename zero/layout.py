@@ -19,6 +19,7 @@ A group of one process is ``None`` (the single-process path), never a module glo
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -266,6 +267,24 @@ class Layout:
                     if rank in ranks:
                         layout.ep_intra_group, layout.ep_inter_group = sub
         return layout
+
+    def twin_groups(self, timeout_s: float | None = None) -> dict:
+        """Every process group of this layout created once more (all ranks must call, together): a
+        map from each of this rank's groups to its twin, the same ranks on a group of its own. A
+        second lane of collectives runs on the twins (``routing_kernels.runtime.comm_lane``) while the
+        first runs on the originals: a pipeline's overlapped forward and backward
+        (``zero.pipeline.Pipeline``). Empty for one process."""
+        if not dist.is_initialized() or self.world == 1:
+            return {}
+        twin = Layout.build(
+            ep=self.ep, pp=self.pp, node_size=self.node_size, ep_dispatch=self.ep_dispatch, timeout_s=timeout_s
+        )
+        out = {}
+        for f in dataclasses.fields(self):
+            g = getattr(self, f.name)
+            if f.name.endswith("_group") and g is not None:
+                out[g] = getattr(twin, f.name)
+        return out
 
     def describe(self) -> str:
         return (

@@ -35,11 +35,16 @@ are the global-batch mean exactly as under gradient accumulation without a pipel
 
 from __future__ import annotations
 
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed import pipelining as tpp
+from torch.distributed.pipelining import schedules as tsched
+
+from routing_kernels.runtime import comm_lane
 
 from .engine import ZeroEngine
 from .layout import Layout
@@ -104,6 +109,7 @@ class PipelinePlan:
         return (
             f"pp={self.pp} x {self.virtual} virtual, schedule {self.schedule}, {self.microbatches} micro-batches, "
             f"layers per stage {[hi - lo for lo, hi in self.ranges]}"
+            + (", forward-backward pairs overlapped" if self.overlap else "")
         )
 
 
@@ -283,6 +289,20 @@ class Pipeline:
         self.schedule = cls(arg, n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=False)
         self.is_first = 0 in mine
         self.is_last = plan.num_stages - 1 in mine
+        # plan.overlap: each of the schedule's overlapped forward-backward pairs runs its two passes
+        # at once, the forward in a worker thread on the layout's groups, the backward here on
+        # their twins (every rank of a stage runs the same pairs in the same order, so each lane's
+        # collectives meet their peers'; on one group the two lanes' collectives would interleave
+        # differently on each rank). overlapped_pairs counts the pairs of the last step
+        self.overlapped_pairs = 0
+        self._pair_open = self._reduce_pending = False
+        if plan.overlap:
+            self._check_overlap_runtime()
+            self._by_index = {st.stage_index: st for st in self.stages}
+            self._twins = layout.twin_groups()  # every rank creates them, in the same order
+            self._forward_lane = ThreadPoolExecutor(1, thread_name_prefix="pipeline-forward-lane")
+            weakref.finalize(self, self._forward_lane.shutdown, wait=False)
+            self.schedule.register_custom_function(tsched.OVERLAP_F_B, self._overlap_f_b)
 
     def _loss(self, output, target):
         loss = self.loss_fn(output, target)
@@ -293,10 +313,81 @@ class Pipeline:
     def _stage_finished(self, stage_index: int) -> None:
         self._finished.add(stage_index)
         if self._reduce_after and len(self._finished) == len(self.stages):
+            if self._pair_open:  # launched once the pair is done, on the layout's own groups
+                self._reduce_pending = True
+            else:
+                self.engine.start_reduction()
+
+    # ----- overlapped forward-backward pairs (plan.overlap) ----------------------------------------
+    def _check_overlap_runtime(self) -> None:
+        """What ``_overlap_f_b`` reads of torch's schedule runtime (private to torch), checked once."""
+        need = ("fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_microbatches")
+        missing = [a for a in need if not hasattr(self.schedule, a)]
+        missing += [a for a in ("_maybe_compute_loss", "_maybe_get_loss") if not hasattr(self.schedule, a)]
+        if missing or not hasattr(tsched, "OVERLAP_F_B") or not hasattr(tsched, "_wait_batch_p2p"):
+            raise RuntimeError(
+                f"pp_overlap=true needs torch.distributed.pipelining's schedule runtime with overlapped "
+                f"forward-backward actions (torch {torch.__version__} lacks {missing or ['OVERLAP_F_B']}): "
+                f"use pp_overlap=false"
+            )
+
+    def _overlap_f_b(self, action, ctx) -> None:
+        """torch's OVERLAP_F_B action (DualPipeV: the forward of one micro-batch on one of this rank's
+        stages and the full backward of another on the other): the forward in the worker thread,
+        under this thread's grad mode and autocast, the backward here on the twin groups; what each
+        does is what torch's runtime does for a FORWARD and a FULL_BACKWARD action."""
+        subs = action.sub_actions or ()
+        kinds = tuple(a.computation_type for a in subs)
+        if kinds != (tsched.FORWARD, tsched.FULL_BACKWARD):
+            raise RuntimeError(f"an overlapped pair of {kinds}: expected a forward and then a full backward")
+        fwd, bwd = subs
+        grad = torch.is_grad_enabled()
+        dev = self.device.type
+        cast = torch.is_autocast_enabled(dev)
+        cast_dtype = torch.get_autocast_dtype(dev)
+
+        def forward():
+            with torch.set_grad_enabled(grad), torch.autocast(dev, dtype=cast_dtype, enabled=cast):
+                self._pair_forward(ctx, fwd)
+
+        self._pair_open = True
+        try:
+            running = self._forward_lane.submit(forward)
+            try:
+                with comm_lane(self._twins):
+                    self._pair_backward(bwd)
+            finally:
+                running.result()  # the forward's error, if any, after the backward's own
+        finally:
+            self._pair_open = False
+        self.overlapped_pairs += 1
+        if self._reduce_pending:
+            self._reduce_pending = False
             self.engine.start_reduction()
+
+    def _pair_forward(self, ctx, a) -> None:
+        sched, stage, mb = self.schedule, self._by_index[a.stage_index], a.microbatch_index
+        if not stage.is_first and a.stage_index - 1 not in self._by_index:
+            tsched._wait_batch_p2p(sched.fwd_recv_ops.pop((a.stage_index, mb)))
+        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
+        sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+        if a.stage_index + 1 in self._by_index:  # a V's two stages hand over in memory
+            self._by_index[a.stage_index + 1].set_local_fwd_input(output, mb)
+
+    def _pair_backward(self, a) -> None:
+        sched, stage, mb = self.schedule, self._by_index[a.stage_index], a.microbatch_index
+        if not stage.is_last and a.stage_index + 1 not in self._by_index:
+            tsched._wait_batch_p2p(sched.bwd_recv_ops.pop((a.stage_index, mb)))
+        loss = sched._maybe_get_loss(stage, mb)
+        sched.backward_counter[a.stage_index] += 1
+        last = sched.backward_counter[a.stage_index] == sched._n_microbatches
+        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+        if a.stage_index - 1 in self._by_index:
+            self._by_index[a.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
     def _run(self, run, x, y, kwargs: dict) -> list[torch.Tensor]:
         self._finished, self._unscaled, losses = set(), {}, []
+        self.overlapped_pairs = 0
         args = (x,) if self.is_first else ()
         # the schedule's own list: its first step also evaluates the loss function while it infers
         # the stages' shapes, and that call is not a micro-batch

@@ -152,6 +152,15 @@ def test_split_backward_names_the_schedules_whose_backward_runs_in_two_passes(sc
         ),
         (dict(pp_layers=[5, 0]), r"pp_layers=\[5, 0\] is invalid"),
         (dict(pp_microbatches=0), r"pp_microbatches=0 is invalid: expected a positive integer"),
+        (
+            dict(pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=4, pp_overlap=True),
+            r"pp_overlap=true needs a schedule with overlapped forward-backward pairs \(dualpipev\), "
+            r"but pp_schedule=zbv",
+        ),
+        (
+            dict(pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=4, pp_overlap="yes"),
+            r"pp_overlap='yes' is invalid: expected true or false",
+        ),
     ],
 )
 def test_bad_pipeline_configs_are_named(kw, match):
@@ -175,6 +184,32 @@ def test_trainer_names_the_parallel_keys_before_any_process_group():
     with pytest.raises(ValueError, match=r"world size 1 is not divisible by pp=2"):
         train(cfg_of(*SHORT, "parallel=pp2"))
     assert build_plan(cfg_of(*SHORT, "parallel=pp2")).microbatches == 4  # default 2 x pp x virtual
+    with pytest.raises(ValueError, match=r"parallel.pp_overlap=true .* but parallel.pp=1"):
+        build_plan(cfg_of(*SHORT, "parallel.pp_overlap=true"))
+    with pytest.raises(ValueError, match=r"parallel.pp_overlap=true needs .* but pp_schedule=1f1b"):
+        build_plan(cfg_of(*SHORT, "parallel=pp2", "parallel.pp_overlap=true"))
+    overlap = ["parallel=pp2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2"]
+    overlap.append("parallel.pp_overlap=true")
+    assert build_plan(cfg_of(*SHORT, *overlap)).overlap
+
+
+def test_a_lane_runs_its_threads_collectives_on_the_twins_of_its_groups():
+    import threading
+
+    from routing_kernels.runtime import comm_lane, lane_group
+
+    group, twin, other = object(), object(), object()
+    seen = {}
+    with comm_lane({group: twin}):
+        assert lane_group(group) is twin and lane_group(other) is other and lane_group(None) is None
+        worker = threading.Thread(target=lambda: seen.update(other_thread=lane_group(group)))
+        worker.start()
+        worker.join()
+        with comm_lane({}):
+            assert lane_group(group) is group  # nested: the inner map, then the outer again
+        assert lane_group(group) is twin
+    assert lane_group(group) is group and seen["other_thread"] is group
+    assert Layout().twin_groups() == {}  # one process: no groups to twin
 
 
 def test_memory_prediction_per_stage():
@@ -249,6 +284,19 @@ RUNS_4 = [
         2,
     ),
     (["parallel=pp2_ep2_zero3"], 4),  # pp=2 x dp=2 x ZeRO-3, ep=2
+    # DualPipeV's overlapped pairs run their forward and backward at once (the backward's All-to-Alls
+    # on the twin groups), pp=2 x ep=2 with ZeRO-1: DeepSeek-V3's layout in small
+    (
+        [
+            "parallel.pp_schedule=dualpipev",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4",
+            "parallel.pp_overlap=true",
+            "parallel.ep=2",
+            "parallel.zero_stage=1",
+        ],
+        4,
+    ),
     (
         [
             "parallel=pp2",
@@ -282,13 +330,57 @@ def _trainer_runs(rank, world, runs, run_dirs):
         return norm
 
     ZeroEngine.step = counting_step
+    pairs = _watch_overlapped_pairs()
     out = []
     for overrides, run_dir in zip(runs, run_dirs):
         seen.clear()
+        pairs.clear()
         summary = train(cfg_of(*BASE, "parallel=pp2", *overrides), run_dir=run_dir, keep_weights=True)
         summary["gathers"] = list(seen)
+        summary["pairs"] = list(pairs)
         out.append(summary)
     return out
+
+
+def _watch_overlapped_pairs() -> list:
+    """Each overlapped pair's (forward's thread, backward's thread, whether the forward saw the
+    backward under way before it began, whether the backward ran on the ep group's twin): each
+    pair's forward waits (up to a minute) until its backward has started, so a pair whose passes
+    run one after the other shows."""
+    import threading
+
+    from routing_kernels import runtime
+    from zero.pipeline import Pipeline
+
+    pairs = []
+    pair, forward, backward = Pipeline._overlap_f_b, Pipeline._pair_forward, Pipeline._pair_backward
+
+    def watched_pair(self, action, ctx):
+        self._backward_began = threading.Event()
+        return pair(self, action, ctx)
+
+    def watched_forward(self, ctx, a):
+        both = self._backward_began.wait(60)
+        pairs.append(dict(forward_thread=threading.current_thread().name, both_under_way=both))
+        return forward(self, ctx, a)
+
+    def watched_backward(self, a):
+        twins = getattr(runtime._lane, "twins", None)
+        self._backward_began.set()
+        pairs.append(
+            dict(
+                backward_thread=threading.current_thread().name,
+                ep_twin=bool(twins) and twins.get(self.layout.ep_group) not in (None, self.layout.ep_group),
+            )
+        )
+        return backward(self, a)
+
+    Pipeline._overlap_f_b, Pipeline._pair_forward, Pipeline._pair_backward = (
+        watched_pair,
+        watched_forward,
+        watched_backward,
+    )
+    return pairs
 
 
 def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
@@ -308,6 +400,16 @@ def _check_against_one_process(per_rank, runs, tmp_path, stdlib, world):
         check_like_one_process(got, rows, single, ref_rows, what, LOSS_RTOL, WEIGHT_ATOL)
         assert len(rows) == STEPS
         for s in got:
+            if "parallel.pp_overlap=true" in overrides:
+                fwd = [p for p in s["pairs"] if "forward_thread" in p]
+                bwd = [p for p in s["pairs"] if "backward_thread" in p]
+                # DualPipeV at pp=2, m=4: pairs on every rank in every step, each forward in the
+                # worker thread while the backward ran here, on the ep group's twin
+                assert fwd and len(fwd) == len(bwd), f"{what}: pairs {s['pairs'][:4]}"
+                assert all(p["both_under_way"] and p["forward_thread"].startswith("pipeline-forward-lane") for p in fwd)
+                assert all(p["backward_thread"] == "MainThread" and p["ep_twin"] for p in bwd), what
+            else:
+                assert not s["pairs"], what
             counts = s["gathers"]
             if counts[0][1]:  # ZeRO-3 with sharded blocks: each gathered once per step, whatever m
                 # (the first step also gathers for torch's shape inference; the blocks stay gathered)
