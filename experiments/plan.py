@@ -11,8 +11,9 @@ The first form composes the trainer's own config (``conf/train.yaml`` and the sa
 (``parallel.pp=2``, ``parallel.ep=2``, ``parallel.ep_dispatch=node``, ``parallel.zero_stage=3``,
 ``parallel.zero_offload=true``, ``parallel.pp_schedule=...``, ``parallel.pp_virtual_stages=...``,
 ``parallel.pp_microbatches=...``, ``model.checkpoint_activations=true``, ``train.grad_accum=...``,
-``parallel.pp_layers=[...]``) is held at that value; every other one is searched (``ep_dispatch``:
-``node`` too wherever the ep group spans two or more of the profile's nodes). Each pipeline is
+``parallel.pp_layers=[...]``, ``parallel.pp_overlap=true``) is held at that value; every other one is
+searched (``ep_dispatch``: ``node`` too wherever the ep group spans two or more of the profile's
+nodes; ``pp_overlap``: both ways under dualpipev). Each pipeline is
 listed with the trainer's even split of layers and, where it beats that, with its layers cut by
 cost (``parallel.pp_layers``, ``zero.plan.split``: the busiest rank's work per micro-batch least).
 It prints a table (fastest first: step time, tokens/s, memory per rank, fits or not against the
@@ -120,7 +121,7 @@ def fixed_keys(overrides: list[str]) -> dict:
         field = FIXED[key]
         if field == "zero_offload":
             out[field] = _parse_offload(value)
-        elif field in ("checkpoint_activations", "zero_hpz", "zero_qwz", "zero_qgz"):
+        elif field in ("checkpoint_activations", "zero_hpz", "zero_qwz", "zero_qgz", "pp_overlap"):
             out[field] = _parse_bool(value)
         elif field in ("pp_schedule", "ep_dispatch"):
             out[field] = value

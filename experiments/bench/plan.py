@@ -35,13 +35,15 @@ correlation of the step times, the largest relative error of the model-state byt
 mean and largest relative error.
 
 (b) DeepSeek-V3 (671B, MLA, 256 routed experts + 1 shared, top-8) on 2048 H800 as published (PP16
-DualPipe, EP64, ZeRO-1, node-limited dispatch: ``ep_dispatch=node``, the flat All-to-All predicted
-beside it; 180K H800 GPU-hours per trillion tokens, i.e. ~1,540 tokens/s per GPU, batch
-15,360 x 4,096; DeepSeek-V3 technical report, arXiv:2412.19437) and Mixtral-8x7B on 64 H100
-(EP8 PP4 VP8, 468 TFLOP/s per GPU bf16, Megatron-Core MoE README as of MCore v0.9; a global batch
-of 256 x 4,096 assumed): the planner's prediction for the published layout, its throughput against
-the published one, and where the published layout ranks among the planner's layouts (node
-dispatch searched too, where an ep group spans two or more of the profile's nodes).
+DualPipe, its forward-backward pairs overlapped: ``pp_overlap``, EP64, ZeRO-1, node-limited
+dispatch: ``ep_dispatch=node``, the flat All-to-All predicted beside it; 180K H800 GPU-hours per
+trillion tokens, i.e. ~1,540 tokens/s per GPU, batch 15,360 x 4,096; DeepSeek-V3 technical report,
+arXiv:2412.19437) and Mixtral-8x7B on 64 H100 (EP8 PP4 VP8, 468 TFLOP/s per GPU bf16, Megatron-Core
+MoE README as of MCore v0.9; a global batch of 256 x 4,096 assumed): the planner's prediction for
+the published layout, its throughput against the published one, and where the published layout
+ranks among the planner's layouts (node dispatch searched too, where an ep group spans two or more
+of the profile's nodes; dualpipev with and without the overlap). For DeepSeek-V3 also what the run
+had and this trainer lacks, added one at a time (``missing_features``).
 """
 
 from __future__ import annotations
@@ -718,14 +720,23 @@ CASES = {
         batch=15360,
         # node-limited dispatch (at most 4 nodes a token: its 4 groups of 8, a node each), as run;
         # the flat All-to-All is predicted beside it for comparison
-        published=dict(pp=16, ep=64, zero_stage=1, pp_schedule="dualpipev", pp_virtual_stages=2, ep_dispatch="node"),
+        # DualPipe's overlapped pairs (each pass's All-to-All beside the other's compute), as run
+        published=dict(
+            pp=16,
+            ep=64,
+            zero_stage=1,
+            pp_schedule="dualpipev",
+            pp_virtual_stages=2,
+            pp_overlap=True,
+            ep_dispatch="node",
+        ),
         published_tokens_per_gpu=1e12 / (180e3 * 3600),
         # what the search varies around the published layout (the whole space is ~10^5 layouts of
         # simulated 16-32 stage pipelines: hours of Python): pp, ep, ZeRO, checkpointing, schedule
         fixed=dict(grad_accum=1),
         microbatches=(15, 20, 30, 40, 60, 120),
         # what the run had and this trainer has not (the comparison adds them one at a time)
-        lacks="its memory savings without full recomputation, DualPipe's overlap, FP8 products",
+        lacks="its memory savings without full recomputation, FP8 products",
     ),
     "Mixtral-8x7B on 64 H100": dict(
         cfg=mixtral_8x7b,
@@ -786,26 +797,24 @@ def fp8_products(profile: zplan.Profile) -> zplan.Profile:
 
 def missing_features(rec: zplan.LayoutRecord, costs, profile: zplan.Profile, skew: float) -> list[dict]:
     """The planner's arithmetic for what a published run had that this trainer lacks, added one at
-    a time to ``rec`` (the published layout as this trainer runs it): no recomputation (the run's
-    memory savings let it keep its activations), DualPipe's overlap (the All-to-All hidden behind
-    the paired micro-batch's compute: the step less its whole All-to-All time, the most the overlap
-    can hide) and FP8 products (``fp8_products``). Tokens/s of the whole run, step seconds and the
-    predicted peak (what the trainer would need to hold without the run's memory savings)."""
+    a time to ``rec`` (the published layout as this trainer runs it, DualPipe's overlapped pairs
+    included where it asks for them: ``pp_overlap``): no recomputation (the run's memory savings
+    let it keep its activations) and FP8 products (``fp8_products``). Tokens/s of the whole run,
+    step seconds and the predicted peak (what the trainer would need to hold without the run's
+    memory savings)."""
     whole = dataclasses.replace(rec, checkpoint_activations=False)
     out = []
-    for label, r, prof, overlap in (
-        ("as this trainer runs it", rec, profile, False),
-        ("without recomputation", whole, profile, False),
-        ("and the All-to-All hidden (DualPipe)", whole, profile, True),
-        ("and FP8 products", whole, fp8_products(profile), True),
+    for label, r, prof in (
+        ("as this trainer runs it", rec, profile),
+        ("without recomputation", whole, profile),
+        ("and FP8 products", whole, fp8_products(profile)),
     ):
         p = zplan.predict(r, costs, profile=prof, skew=skew)
-        step = p.step_s - (p.time_parts["moe_comm"] if overlap else 0.0)
         out.append(
             dict(
                 what=label,
-                step_s=step,
-                tokens_per_s=rec.batch_size * costs.seq_len / step,
+                step_s=p.step_s,
+                tokens_per_s=rec.batch_size * costs.seq_len / p.step_s,
                 memory_gb=p.memory_bytes / 1e9,
                 moe_comm_s=p.time_parts["moe_comm"],
             )
@@ -869,6 +878,7 @@ def part_b(skew: float) -> dict:
             best=[(r.label(), q.tokens_per_s / case["world"], q.memory_bytes / 1e9) for r, q in ranked[:5]],
             search_s=elapsed,
             layouts_node=sum(1 for r, _ in ranked if r.ep_dispatch == "node"),
+            layouts_overlap=sum(1 for r, _ in ranked if r.pp_overlap),
         )
         if rec.ep_dispatch == "node":  # the flat All-to-All beside it
             f_rec, f_p = _published(case, costs, profile, skew, ep_dispatch="flat")
@@ -880,6 +890,15 @@ def part_b(skew: float) -> dict:
                 fits=f_p.fits,
                 moe_comm_s=f_p.time_parts["moe_comm"],
                 rank=_position(f_rec, f_p, ranked),
+            )
+        if rec.pp_overlap:  # the pairs one pass after the other beside it
+            o_rec, o_p = _published(case, costs, profile, skew, pp_overlap=False)
+            res["no_overlap"] = dict(
+                layout=o_rec.label(),
+                predicted_tokens_per_gpu=o_p.tokens_per_s / case["world"],
+                ratio=o_p.tokens_per_s / case["world"] / published,
+                step_s=o_p.step_s,
+                rank=_position(o_rec, o_p, ranked),
             )
         if case.get("lacks"):
             res["missing_features"] = missing_features(rec, costs, profile, skew)
@@ -902,8 +921,15 @@ def part_b(skew: float) -> dict:
                 f"(ratio {f['ratio']:.2f}), All-to-All {f['moe_comm_s']:.1f} s, {f['memory_gb']:.1f} GB, "
                 f"rank {f['rank']}"
             )
+        if "no_overlap" in res:
+            o = res["no_overlap"]
+            print(
+                f"  without the overlap: {o['layout']}: {o['predicted_tokens_per_gpu']:,.0f} tokens/s per GPU "
+                f"(ratio {o['ratio']:.2f}), step {o['step_s']:.1f} s, rank {o['rank']}"
+            )
         print(
-            f"  rank {position} of {len(ranked)} layouts searched ({res['layouts_node']} with node dispatch; "
+            f"  rank {position} of {len(ranked)} layouts searched ({res['layouts_node']} with node dispatch, "
+            f"{res['layouts_overlap']} with overlapped pairs; "
             f"{fitting} fit) in {elapsed:.0f} s; planner's top 5 (tokens/s per GPU, GB):"
         )
         for label, t, g in res["best"]:

@@ -138,6 +138,8 @@ def record_of(cfg, world: int) -> LayoutRecord:
         zero_qgz_bits=int(p.zero_qgz_bits),
         zero_quant_block=int(p.zero_quant_block),
         pp_layers=tuple(int(k) for k in p.pp_layers) if pp > 1 and p.pp_layers is not None else None,
+        # carried with pp=1 too: the planner refuses it there, as the trainer does
+        pp_overlap=bool(p.get("pp_overlap", False)),
     )
 
 

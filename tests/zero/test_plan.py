@@ -65,7 +65,7 @@ def _refused(fn) -> bool:
 
 def _key(r: zplan.LayoutRecord) -> tuple:
     pipe = (r.pp_schedule, r.pp_virtual_stages, r.pp_microbatches) if r.pp > 1 else (None, 1, 1)
-    return (r.pp, r.ep, r.zero_stage, r.zero_offload, *pipe, r.grad_accum, r.checkpoint_activations)
+    return (r.pp, r.ep, r.zero_stage, r.zero_offload, *pipe, r.pp_overlap, r.grad_accum, r.checkpoint_activations)
 
 
 def trainer_accepted(s, world: int) -> set[tuple]:
@@ -88,21 +88,25 @@ def trainer_accepted(s, world: int) -> set[tuple]:
             engines.add((stage, off))
         except ValueError:
             pass
-    pipes = {1: [((None, 1, 1), None)]}
+    pipes = {}
     c = cfg.copy()  # one copy, every field the checks read set anew each time (copying is the slow part)
-    for pp in {pp for pp, _ in layouts if pp > 1}:
+    for pp in sorted({pp for pp, _ in layouts}):
         pipes[pp] = []
-        for sched, v, m in itertools.product(SCHEDULES, range(1, L + 2), range(1, BATCH + 2)):
-            c.parallel.pp, c.parallel.pp_schedule, c.parallel.pp_virtual_stages = pp, sched, v
-            c.parallel.pp_microbatches = m
+        grid = itertools.product(SCHEDULES, range(1, L + 2), range(1, BATCH + 2)) if pp > 1 else [(None, 1, 1)]
+        # parallel.pp_overlap both ways under every schedule, and without a pipeline
+        for (sched, v, m), overlap in itertools.product(grid, (False, True)):
+            c.parallel.pp, c.parallel.pp_overlap = pp, overlap
+            if pp > 1:
+                c.parallel.pp_schedule, c.parallel.pp_virtual_stages, c.parallel.pp_microbatches = sched, v, m
             try:
                 plan = build_plan(c)
             except ValueError:
                 continue
-            ranges = [[plan.ranges[st] for st in plan.stages_of(r)] for r in range(pp)]
-            if any(_refused(lambda rr=rr: s.model.keep_layers(rr)) for rr in ranges):
-                continue
-            pipes[pp].append(((sched, v, m), plan))
+            if plan is not None:
+                ranges = [[plan.ranges[st] for st in plan.stages_of(r)] for r in range(pp)]
+                if any(_refused(lambda rr=rr: s.model.keep_layers(rr)) for rr in ranges):
+                    continue
+            pipes[pp].append(((sched, v, m, overlap), plan))
     train_ok = {}  # check_train depends on dp, grad_accum and the micro-batches only
     out = set()
     for (pp, ep), ga in itertools.product(layouts, range(1, BATCH + 2)):
@@ -166,12 +170,15 @@ def test_every_listed_layout_passes_the_trainer_through_its_own_overrides(settin
     # build_engine's offload rule, asserted for every layout below)
     firsts = {}
     for r in recs:
-        firsts.setdefault((r.pp, r.ep, r.pp_schedule, r.pp_virtual_stages, r.pp_microbatches, r.grad_accum), r)
+        key = (r.pp, r.ep, r.pp_schedule, r.pp_virtual_stages, r.pp_microbatches, r.pp_overlap, r.grad_accum)
+        firsts.setdefault(key, r)
         assert not (r.zero_offload and r.zero_stage == 0)
+    assert any(r.pp_overlap for r in firsts.values())
     for r in firsts.values():
         cfg = OmegaConf.merge(setting.cfg, OmegaConf.from_dotlist(r.overrides()))
         plan = build_plan(cfg)
         assert (plan is None) == (r.pp == 1)
+        assert cfg.parallel.pp_overlap == r.pp_overlap and (plan is None or plan.overlap == r.pp_overlap)
         assert validate_layout(world, int(cfg.parallel.pp), int(cfg.parallel.ep), 6) == r.dp
         check_train(cfg.train, SimpleNamespace(dp=r.dp), plan)
         if plan is not None:

@@ -71,14 +71,22 @@ pipeline's length comes from simulating the schedule's own order with each stage
 backward-input and backward-weight durations and the point-to-point time of an activation between
 ranks: a wait between them where something else moves the bytes (a GPU, a spare core), and work
 on both ranks' actions where every core computes; every accumulation round runs a whole pipeline
-(fill and drain). Where ranks share cores, the busiest expert rank's products take the longer of
-its rows alone and the node's mean load on all cores (``_Costing.expert_contention``). Then the optimizer: Adam's
+(fill and drain). Under ``parallel.pp_overlap`` (dualpipev) each overlapped forward-backward pair
+runs its two passes at once, where something other than the computing cores runs the collectives:
+each pass's MoE exchanges (its layers' All-to-All, statistics all-reduce and capacity gather; the
+backward's with a recomputed forward's again) wait beside the other pass's compute, so the pair
+takes max(cF + cB, mF + mB, dF, dB) (c: compute, m: exchanges, d: a pass's whole duration;
+``schedule.simulate``); where every core computes the pairs stay one pass after the other.
+Where ranks share cores, the busiest expert rank's products take the longer of its rows alone
+and the node's mean load on all cores (``_Costing.expert_contention``). Then the optimizer: Adam's
 passes over this rank's shard at memory bandwidth, or with offload the host's rate plus the copies
 over the host link, and ZeRO-1/2's all-gather of the updated weights.
 
-What it leaves out: computation overlapping an All-to-All (DeepEP, DualPipe's overlapped pairs as
-a speed-up: they are run one after the other, as torch's runtime does), FP8, tensor and sequence
-parallelism, kernel fusion beyond a fixed per-operator cost, network contention between groups.
+What it leaves out: computation overlapping an All-to-All other than the overlapped pairs' (DeepEP;
+a lone pass's own exchanges), the two passes of an overlapped pair slowing each other down (sharing
+the SMs and memory bandwidth) and what they hold at once beyond one pass after the other (both
+passes' All-to-All buffers and working memory), FP8, tensor and sequence parallelism, kernel
+fusion beyond a fixed per-operator cost, network contention between groups.
 """
 
 from __future__ import annotations
@@ -373,7 +381,20 @@ def predict(
         # (the gradient's receive and send belong to the input pass, or the whole backward)
         for kind in ("F", "I", "B"):
             dur[kind] = [d + x for d, x in zip(dur[kind], p2p_f)]
-        plain = simulate_plan(plan, stage_rank, dur, latency)
+        # parallel.pp_overlap: each overlapped pair's passes at once, each pass's MoE exchanges beside
+        # the other's compute (schedule.simulate's rule); only where something other than the
+        # computing cores runs the collectives (where every core computes they take the cores' time).
+        # DualPipeV's pairs are a forward and a full backward: the backward's exchanges are its
+        # input part's, and under recomputation the recomputed forward's again
+        comm = None
+        if plan.overlap and cst.overlap:
+            comm = {
+                "F": [sum(moe[j]["F"] for j in range(*stages[s])) for s in range(n_st)],
+                "B": [
+                    sum(moe[j]["I"] + (moe[j]["F"] if ckpt else 0.0) for j in range(*stages[s])) for s in range(n_st)
+                ],
+            }
+        plain = simulate_plan(plan, stage_rank, dur, latency, None, comm)
         first_round = plain
         if rec.zero_stage == 3 and any(gath):
             # the step's first forward of each stage gathers its blocks (kept until the step)
@@ -390,7 +411,7 @@ def predict(
                     for s in range(n_st)
                 }
             }
-            first_round = simulate_plan(plan, stage_rank, dur, latency, first)
+            first_round = simulate_plan(plan, stage_rank, dur, latency, first, comm)
         # every accumulation round is a whole pipeline; the reduction follows the last one
         if rec.grad_accum == 1:
             offset, last = 0.0, first_round
@@ -417,7 +438,8 @@ def predict(
             sum(gath[j] for j in layers) + (0 if plan is not None else (2 * passes - 1) * sum(gath2[j] for j in layers))
             for layers in rank_layers
         ),
-        moe_comm=max(sum(moe[j]["F"] + moe[j]["I"] for j in layers) for layers in rank_layers) * passes,
+        # the MoE layers' synchronous exchanges, the recomputed forwards' under checkpointing too
+        moe_comm=max(sum(moe[j]["F"] * (1 + ckpt) + moe[j]["I"] for j in layers) for layers in rank_layers) * passes,
     )
     per_node = min(rec.world, profile.node_size)
     device = mem * (per_node if profile.memory_shared_by_node else 1)

@@ -6,9 +6,12 @@ virtual stages, micro-batches, layers per stage), the batch divisibility of
 ``experiments.training.checks`` (the global batch splits evenly over dp x grad_accum x
 micro-batches), offload only with ZeRO >= 1 (``experiments.train.build_engine``) and tied
 embeddings only where the embedding and the head land on one pipeline rank
-(``moe.model.Transformer.keep_layers``), and the MoE dispatch ``parallel.ep_dispatch`` by
+(``moe.model.Transformer.keep_layers``), the MoE dispatch ``parallel.ep_dispatch`` by
 ``zero.layout.validate_ep_dispatch`` (``node`` only where the ep group spans two or more whole
-nodes, so only where the node size is known). The tests check the two agree, both ways.
+nodes, so only where the node size is known), and ``parallel.pp_overlap`` by
+``zero.pipeline.validate_pp_overlap`` and ``experiments.training.build.build_plan`` (only under a
+schedule with overlapped forward-backward pairs, ``OVERLAP_SCHEDULES``, so never without a
+pipeline). The tests check the two agree, both ways.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ..layout import validate_ep_dispatch, validate_layout
-from ..pipeline import SCHEDULES, PipelinePlan, plan_pipeline
+from ..pipeline import OVERLAP_SCHEDULES, SCHEDULES, PipelinePlan, plan_pipeline, validate_pp_overlap
 
 # the keys a layout sets, as the trainer's config names them
 KEYS = {
@@ -29,6 +32,7 @@ KEYS = {
     "pp_virtual_stages": "parallel.pp_virtual_stages",
     "pp_microbatches": "parallel.pp_microbatches",
     "pp_layers": "parallel.pp_layers",
+    "pp_overlap": "parallel.pp_overlap",
     "checkpoint_activations": "model.checkpoint_activations",
     "grad_accum": "train.grad_accum",
     "zero_hpz": "parallel.zero_hpz",
@@ -76,6 +80,9 @@ class LayoutRecord:
     zero_quant_block: int = 256  # parallel.zero_quant_block: elements per fp32 scale (qwZ, qgZ)
     # layers of each pipeline stage in order (parallel.pp_layers); None: the even split
     pp_layers: tuple[int, ...] | None = None
+    # parallel.pp_overlap: each of DualPipeV's overlapped forward-backward pairs runs its two passes
+    # at once, so that one pass's All-to-All waits beside the other's compute
+    pp_overlap: bool = False
 
     @property
     def zeropp(self) -> bool:
@@ -109,6 +116,7 @@ class LayoutRecord:
             pp_microbatches=self.pp_microbatches,
             pp_virtual_stages=self.pp_virtual_stages,
             pp_layers=None if self.pp_layers is None else list(self.pp_layers),
+            pp_overlap=self.pp_overlap,
         )
 
     def overrides(self) -> list[str]:
@@ -119,6 +127,8 @@ class LayoutRecord:
             names += ["pp_schedule", "pp_virtual_stages", "pp_microbatches"]
             if self.pp_layers is not None:  # the even split is the trainer's default
                 names.append("pp_layers")
+        if self.pp_overlap:  # off is the trainer's default (and the only value without a pipeline)
+            names.append("pp_overlap")
         names += ["checkpoint_activations", "grad_accum"]
         if self.zeropp:  # the ZeRO++ keys only where one is on (off is the trainer's default)
             names += [*ZEROPP, *(["zero_qgz_bits"] if self.zero_qgz else [])]
@@ -130,7 +140,7 @@ class LayoutRecord:
         parts = [f"pp{self.pp}"]
         if self.pp > 1:
             v = f"x{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
-            parts.append(f"{self.pp_schedule}{v} m{self.pp_microbatches}")
+            parts.append(f"{self.pp_schedule}{v} m{self.pp_microbatches}" + (" overlap" if self.pp_overlap else ""))
             if self.pp_layers is not None:
                 parts.append("layers " + "/".join(map(str, self.pp_layers)))
         parts.append(f"dp{self.dp} ep{self.ep}" + (" epnode" if self.ep_dispatch == "node" else ""))
@@ -191,6 +201,23 @@ def ep_dispatch_problem(rec: LayoutRecord, node_size: int | None) -> str | None:
     return None
 
 
+def pp_overlap_problem(rec: LayoutRecord) -> str | None:
+    """Why the trainer would refuse ``rec``'s ``pp_overlap`` (``zero.pipeline.validate_pp_overlap``'s
+    message, or ``build_plan``'s without a pipeline), or None."""
+    if rec.pp_overlap is False:
+        return None
+    if rec.pp_overlap is True and rec.pp == 1:
+        return (
+            "parallel.pp_overlap=true overlaps a pipeline's forward-backward pairs, but parallel.pp=1: use "
+            "parallel.pp >= 2 with parallel.pp_schedule=dualpipev, or parallel.pp_overlap=false"
+        )
+    try:
+        validate_pp_overlap(rec.pp_schedule, rec.pp_overlap)
+    except ValueError as e:
+        return f"parallel.{e}"
+    return None
+
+
 def layout_problem(
     rec: LayoutRecord,
     num_layers: int,
@@ -213,6 +240,9 @@ def layout_problem(
     if rec.zero_offload and rec.zero_stage == 0:
         return "parallel.zero_offload=cpu needs parallel.zero_stage >= 1"
     problem = zeropp_problem(rec, node_size)
+    if problem is not None:
+        return problem
+    problem = pp_overlap_problem(rec)
     if problem is not None:
         return problem
     if rec.grad_accum < 1 or rec.batch_size % (rec.dp * rec.grad_accum):
@@ -263,7 +293,9 @@ def enumerate_layouts(
     with ``node_size`` ranks per node (needed: hpZ and qgZ need each group evenly on its nodes);
     off by default, since qwZ and qgZ quantize the weights and gradients they move. ``node_size``
     given, every ep that spans two or more whole nodes is also listed with ``ep_dispatch=node``
-    (a token crosses to each node once); without it only ``flat``."""
+    (a token crosses to each node once); without it only ``flat``. A schedule with overlapped
+    forward-backward pairs (``OVERLAP_SCHEDULES``: dualpipev) is listed with ``pp_overlap`` off,
+    then on (the pairs' two passes at once)."""
     if zeropp and (not isinstance(node_size, int) or isinstance(node_size, bool) or node_size < 1):
         raise ValueError(f"zeropp=True needs node_size, the ranks per node (a positive integer), got {node_size!r}")
     for name, v in (("world", world), ("batch_size", batch_size), ("num_layers", num_layers)):
@@ -291,7 +323,7 @@ def enumerate_layouts(
             continue
         dp = world // pp
         eps = [e for e in _divisors(dp) if num_experts is not None and num_experts % e == 0] or [1]
-        pipelines: list[tuple] = [(None, 1, 1)]
+        pipelines: list[tuple] = [(None, 1, 1, False)] if allowed("pp_overlap", [False]) else []
         if pp > 1:
             pipelines = []
             for schedule in allowed("pp_schedule", list(SCHEDULES)):
@@ -299,11 +331,13 @@ def enumerate_layouts(
                 vs = {"single": [1], "v": [2]}.get(style) or list(range(2, num_layers // pp + 1))
                 if style == "loop" and max_virtual is not None:
                     vs = [v for v in vs if v <= max_virtual]
+                # each schedule with overlapped pairs both ways: the pairs one pass after the other, and at once
+                overlaps = allowed("pp_overlap", [False, True] if schedule in OVERLAP_SCHEDULES else [False])
                 for v in allowed("pp_virtual_stages", vs):
                     for m in allowed("pp_microbatches", _divisors(batch_size // dp) if batch_size % dp == 0 else []):
-                        pipelines.append((schedule, v, m))
+                        pipelines += [(schedule, v, m, overlap) for overlap in overlaps]
         for ep, dispatch in [(e, d) for e in allowed("ep", eps) for d in _dispatch_choices(e, node_size, allowed)]:
-            for schedule, v, m in pipelines:
+            for schedule, v, m, overlap in pipelines:
                 for ga in allowed("grad_accum", _divisors(batch_size)):
                     base = LayoutRecord(
                         world=world,
@@ -314,6 +348,7 @@ def enumerate_layouts(
                         pp_schedule=schedule,
                         pp_virtual_stages=v,
                         pp_microbatches=m,
+                        pp_overlap=overlap,
                         grad_accum=ga,
                         mixed_precision=mixed_precision,
                         pp_layers=split if pp > 1 else None,

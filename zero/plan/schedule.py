@@ -4,8 +4,12 @@ duration, the step's length and bubble.
 
 Actions are ``(kind, stage, microbatch)`` with kind F (forward), B (full backward), I (backward
 for the input) and W (backward for the weights). A rank's order is a list of groups: one action,
-or DualPipeV's overlapped forward-backward pair, which torch's runtime runs one after the other and
-which, as in ``experiments/bench_pipeline.simulate``, starts once the inputs of both exist.
+or DualPipeV's overlapped forward-backward pair (torch's OVERLAP_F_B: the forward of one
+micro-batch on one of the rank's stages, the full backward of another on its other stage), which,
+as in ``experiments/bench_pipeline.simulate``, starts once the inputs of both exist. torch's
+runtime runs the pair's passes one after the other; under ``parallel.pp_overlap`` the trainer runs
+them at once, each pass's exchanges (the MoE All-to-All) waiting beside the other's compute
+(``simulate``'s ``comm``).
 
 Where the order comes from: for the multi-stage schedules (interleaved_1f1b, interleaved_zb, zbv,
 dualpipev) torch builds it in the constructor and its runtime executes exactly that list, so it is
@@ -166,7 +170,7 @@ class Simulated:
         return 1 - max(self.busy) / self.makespan if self.makespan > 0 else 0.0
 
 
-def simulate(orders, stage_rank, dur, latency=None, first=None) -> Simulated:
+def simulate(orders, stage_rank, dur, latency=None, first=None, comm=None) -> Simulated:
     """Each rank runs its groups in order, a group as soon as the rank is free and the inputs of
     the whole group exist. ``dur[kind][s]``: the duration of stage s's pass of that kind;
     ``latency[s]``: the time an activation (forward) or gradient (backward) takes between stage s
@@ -174,7 +178,21 @@ def simulate(orders, stage_rank, dur, latency=None, first=None) -> Simulated:
     ``first[kind][s]``: the duration of stage s's first pass of that kind, when it differs (ZeRO-3
     gathers the weights in the first forward of a step). With unit durations and free
     communication this is ``experiments/bench_pipeline.simulate``. Event-driven: a rank blocked on
-    an input waits for the action that makes it, so each action is looked at a few times only."""
+    an input waits for the action that makes it, so each action is looked at a few times only.
+
+    ``comm`` (None: every group's actions one after the other): the passes of a group of several
+    actions (DualPipeV's overlapped pairs under ``parallel.pp_overlap``) run at once, and
+    ``comm[kind][s]`` is the part of stage s's pass of that kind that waits on its exchanges (the
+    MoE All-to-All; a kind not in it: none), the rest of the pass's duration its compute. The
+    pair's forward runs as it would alone and ends as it would alone (its output is what the next
+    stage waits for); the backward computes while the forward's exchanges wait and exchanges
+    while the forward computes, and does the rest after. That takes exactly
+    max(cF + cB, mF + mB, dF, dB) (c: compute, m: exchanges, d = c + m: a pass's duration): each
+    pass's exchanges hidden behind the other's compute, as far as the other has compute, and never
+    less than either pass alone. The pair's backward ends with it. (Generally: the group takes
+    max(sum of c, sum of m, largest d), and each action ends at the earlier of its end one after
+    the other and the group's end.) Where that hides nothing (no exchanges), exactly one after
+    the other."""
     num_stages = len(stage_rank)
     latency = latency or [0.0] * num_stages
     first = first or {}
@@ -202,17 +220,34 @@ def simulate(orders, stage_rank, dur, latency=None, first=None) -> Simulated:
                 # between them: stage s -> s + 1 for an activation, s - 1 <- s for a gradient
                 hop = 0.0 if stage_rank[s] == r else latency[s if kind == "F" else s - 1]
                 t = max(t, finish[(kind, s, mb)] + hop)
-            for kind, s, mb in group:
+            ds = []
+            for kind, s, _ in group:
                 d = dur[kind][s]
                 if (kind, s) not in seen:
                     seen.add((kind, s))
                     d = first.get(kind, {}).get(s, d)
-                t += d
-                busy[r] += d
+                ds.append(d)
+            span = None
+            if comm is not None and len(group) > 1:
+                ms = [comm[kind][s] if kind in comm else 0.0 for kind, s, _ in group]
+                span = max(sum(ds) - sum(ms), sum(ms), max(ds))
+            if span is not None and span < sum(ds):  # at once: the group's end, the first pass's as alone
+                start, ends = t, []
+                for d in ds:
+                    t += d
+                    ends.append(min(t, start + span))
+                busy[r] += span
+            else:  # one after the other (nothing to hide: exactly so)
+                ends = []
+                for d in ds:
+                    t += d
+                    busy[r] += d
+                    ends.append(t)
+            for (kind, s, mb), end in zip(group, ends):
                 key = tag(kind, s, mb)
-                finish[key] = t
+                finish[key] = end
                 ready_ranks.extend(waiting.pop(key, ()))
-            free[r] = t
+            free[r] = ends[-1]
             pos[r] += 1
     if any(pos[r] < len(orders[r]) for r in range(n)):
         raise RuntimeError("the schedule's actions cannot all run: a dependency is never met")
@@ -220,16 +255,22 @@ def simulate(orders, stage_rank, dur, latency=None, first=None) -> Simulated:
 
 
 @functools.lru_cache(maxsize=4096)
-def _simulate_cached(plan_key, stage_rank, dur, latency, first) -> Simulated:
+def _simulate_cached(plan_key, stage_rank, dur, latency, first, comm) -> Simulated:
     orders = _orders(*plan_key)
     return simulate(
-        orders, list(stage_rank), {k: list(v) for k, v in dur}, list(latency), {k: dict(v) for k, v in first}
+        orders,
+        list(stage_rank),
+        {k: list(v) for k, v in dur},
+        list(latency),
+        {k: dict(v) for k, v in first},
+        None if comm is None else {k: list(v) for k, v in comm},
     )
 
 
-def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None) -> Simulated:
+def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None, comm=None) -> Simulated:
     """``simulate`` over ``plan``'s own order, memoised: layouts that differ only in what does not
-    change a pass's duration (offload, ZeRO 0-2) share one simulation."""
+    change a pass's duration (offload, ZeRO 0-2) share one simulation. ``comm``: ``simulate``'s
+    (the overlapped pairs' passes at once; None: one after the other)."""
     key = (plan.schedule, plan.pp, plan.virtual, plan.microbatches)
     return _simulate_cached(
         key,
@@ -237,6 +278,7 @@ def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None) -> S
         tuple((k, tuple(v)) for k, v in sorted(dur.items())),
         tuple(latency),
         tuple((k, tuple(sorted(v.items()))) for k, v in sorted((first or {}).items())),
+        None if comm is None else tuple((k, tuple(v)) for k, v in sorted(comm.items())),
     )
 
 
