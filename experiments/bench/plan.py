@@ -80,6 +80,7 @@ BASE = [
     "train.memory_steps=2",  # the peak-memory meter's window: the steps timed (after the first two) run unwatched
 ]
 
+OVERLAP = dict(pp_overlap=True)
 # (world, layout fields): 2 and 4 ranks, every dimension the planner searches
 LAYOUTS = [
     (2, dict()),
@@ -101,6 +102,8 @@ LAYOUTS = [
     # the planner's cut by cost of zbv's layers (zero.plan.split): rank 0 the embedding, a block, a
     # block and the head, rank 1 two blocks, where the even cut gives rank 1 three
     (2, dict(pp=2, pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=4, pp_layers=(2, 1, 1, 2))),
+    # DualPipeV with each pair's forward and backward at once (the backward's exchanges on twin groups)
+    (4, dict(pp=2, ep=2, zero_stage=1, pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=4) | OVERLAP),
 ]
 QUICK = [0, 1, 4, 5, 8, 10, 12, 14]
 # --drift: one rank alone, then 2-rank data parallelism and a pipeline, at once after one calibration
