@@ -10,29 +10,29 @@ between two computing ranks against the planner's rule for it.
                                      [--profile cpu_2core] [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
-``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a time
-through ``tests.support.dist.run_distributed`` (the trainer's ``train`` on each rank, one intra-op
-thread per rank, as torchrun's ``OMP_NUM_THREADS=1``): dp, ep, ZeRO 1-3, offload, pipelines under
-three schedules, accumulation, checkpointing. Measured step time: the median over the steps after
-the first two of each step's time (``metrics.jsonl``'s tokens_per_s per step; validation excluded),
-the median over ``--rounds`` runs of the layout made round robin (minutes apart). The machine is
-shared: its other work's load (``background_load``, in busy processes) is measured for 2 s before
-each run and the prediction made with it. ``--calibrate``: before each round this machine is
-calibrated afresh (``python -m experiments.plan --calibrate``, 2-3 minutes) and the round's runs
-are predicted on that profile, the shipped profile's predictions kept beside; each calibration's
-drift from the shipped profile is printed (``profile_drift``). A shared machine's speed moves
-by up to 1.4x over tens of minutes, and a profile measured at another time carries that into
-every prediction. ``SpeedProbe`` times model=small's forward and backward on every core
-right after each calibration and before each run, and each run's prediction times that ratio is
-reported beside the plain one: the machine's drift told from the model's error.
-Measured model-state bytes: ``zero.measure_memory`` of the engine after the last step's gradient
-reduction (the largest over the ranks). Measured peak: the trainer's ``summary.json`` memory (the
-CPU allocator's high-water mark through the profiler over the build and the first two steps,
-``experiments.training.peak_memory``), the busiest rank's against the predicted peak (the busiest
-rank's; with offload plus its host bytes: one memory on the CPU). Printed: each layout's
-predicted and measured step time and memory, the mean absolute error in percent and Spearman's rank
-correlation of the step times, the largest relative error of the model-state bytes and the peak's
-mean and largest relative error.
+``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a
+time through ``tests.support.dist.run_distributed`` (the trainer's ``train`` on each rank, one
+intra-op thread per rank, as torchrun's ``OMP_NUM_THREADS=1``): dp, ep, ZeRO 1-3, offload, pipelines
+under four schedules (DualPipeV with its pairs overlapped), accumulation, checkpointing. Measured
+step time: the median over the steps after the first two of each step's time (``metrics.jsonl``'s
+tokens_per_s per step; validation excluded), the median over ``--rounds`` runs of the layout made
+round robin (minutes apart). The machine is shared: its other work's load (``background_load``, in
+busy processes) is measured for 2 s before each run and the prediction made with it.
+``--calibrate``: before each round this machine is calibrated afresh (``python -m experiments.plan
+--calibrate``, 2-3 minutes) and the round's runs are predicted on that profile, the shipped
+profile's predictions kept beside; each calibration's drift from the shipped profile is printed
+(``profile_drift``). A shared machine's speed moves by up to 1.4x over tens of minutes, and a
+profile measured at another time carries that into every prediction. ``SpeedProbe`` times
+model=small's forward and backward on every core right after each calibration and before each run,
+and each run's prediction times that ratio is reported beside the plain one: the machine's drift
+told from the model's error. Measured model-state bytes: ``zero.measure_memory`` of the engine after
+the last step's gradient reduction (the largest over the ranks). Measured peak: the trainer's
+``summary.json`` memory (the CPU allocator's high-water mark through the profiler over the build and
+the first two steps, ``experiments.training.peak_memory``), the busiest rank's against the predicted
+peak (the busiest rank's; with offload plus its host bytes: one memory on the CPU). Printed: each
+layout's predicted and measured step time and memory, the mean absolute error in percent and
+Spearman's rank correlation of the step times, the largest relative error of the model-state bytes
+and the peak's mean and largest relative error.
 
 (b) DeepSeek-V3 (671B, MLA, 256 routed experts + 1 shared, top-8) on 2048 H800 as published (PP16
 DualPipe, its forward-backward pairs overlapped: ``pp_overlap``, EP64, ZeRO-1, node-limited
