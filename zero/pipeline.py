@@ -27,6 +27,11 @@ engine keeps a stage's blocks gathered from their first forward to the step
 (``keep_gathered_across_microbatches``): every schedule interleaves forwards and backwards of
 different micro-batches, and the split input/weight backward needs the weights twice.
 
+Overlapped pairs (``plan.overlap``, ``parallel.pp_overlap``; DualPipeV only): the schedule's
+forward-backward pairs run their two passes at once, the forward on a worker thread, the backward on
+twins of the layout's process groups (``Layout.twin_groups``, ``routing_kernels.runtime.comm_lane``),
+so one pass's All-to-All waits beside the other's compute; docs/design.md says why that is safe.
+
 Loss scaling: the loss of each micro-batch is multiplied by ``loss_scale`` (the trainer gives
 1 / (micro-batches x accumulation rounds)), and torch's own ``scale_grads`` is off, so gradients
 are the global-batch mean exactly as under gradient accumulation without a pipeline; the losses
@@ -323,7 +328,8 @@ class Pipeline:
         """What ``_overlap_f_b`` reads of torch's schedule runtime (private to torch), checked once."""
         need = ("fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_microbatches")
         missing = [a for a in need if not hasattr(self.schedule, a)]
-        missing += [a for a in ("_maybe_compute_loss", "_maybe_get_loss") if not hasattr(self.schedule, a)]
+        helpers = ("_maybe_compute_loss", "_maybe_get_loss", "register_custom_function")
+        missing += [a for a in helpers if not hasattr(self.schedule, a)]
         if missing or not hasattr(tsched, "OVERLAP_F_B") or not hasattr(tsched, "_wait_batch_p2p"):
             raise RuntimeError(
                 f"pp_overlap=true needs torch.distributed.pipelining's schedule runtime with overlapped "
