@@ -285,7 +285,8 @@ RUNS_4 = [
     ),
     (["parallel=pp2_ep2_zero3"], 4),  # pp=2 x dp=2 x ZeRO-3, ep=2
     # DualPipeV's overlapped pairs run their forward and backward at once (the backward's All-to-Alls
-    # on the twin groups), pp=2 x ep=2 with ZeRO-1: DeepSeek-V3's layout in small
+    # on the twin groups), pp=2 x ep=2 with ZeRO-1 and full recomputation: DeepSeek-V3's layout in
+    # small (the backward lane re-runs forwards, their exchanges and statistics on the twins too)
     (
         [
             "parallel.pp_schedule=dualpipev",
@@ -294,6 +295,7 @@ RUNS_4 = [
             "parallel.pp_overlap=true",
             "parallel.ep=2",
             "parallel.zero_stage=1",
+            "model.checkpoint_activations=true",
         ],
         4,
     ),
