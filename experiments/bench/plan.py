@@ -817,7 +817,7 @@ def missing_features(rec: zplan.LayoutRecord, costs, profile: zplan.Profile, ske
             dict(
                 what=label,
                 step_s=p.step_s,
-                tokens_per_s=rec.batch_size * costs.seq_len / p.step_s,
+                tokens_per_s=p.tokens_per_s,
                 memory_gb=p.memory_bytes / 1e9,
                 moe_comm_s=p.time_parts["moe_comm"],
             )
