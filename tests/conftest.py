@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = _previous
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the group into the test's id
 def pytest_collection_modifyitems(config, items):
     # under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) every distributed test
     # joins one group, which runs on one worker, one test at a time: each starts 2-4 ranks that

@@ -145,6 +145,11 @@ class Trainer:
         with self.engine.comm.aside():
             self.resumed = self.ckpts.resume() or {}
         self.start = self.resumed.get("step", 0)
+        if self.start > tcfg.steps:  # every rank loaded the same step: every rank stops here, no collective
+            raise ValueError(
+                f"train.resume: the checkpoint is at step {self.start}, past train.steps={tcfg.steps}: raise "
+                f"train.steps above {self.start} to train on from it, or resume from an earlier checkpoint"
+            )
         # skipped steps in a row up to the checkpoint
         self.guard.streak = [tuple(s) for s in self.resumed.get("bad_streak", [])]
         self.tracker = make_tracker(
@@ -413,7 +418,8 @@ class Trainer:
             "moe_layers": self.num_moe_layers,
             "skipped_steps": self.engine.skipped_steps,
             "time_s": wall,
-            "tokens_per_s": (done - self.start) * self.tokens_per_step / wall,  # of the steps this run trained
+            # of the steps this launch trained; null for a launch that resumed a finished run
+            "tokens_per_s": (done - self.start) * self.tokens_per_step / wall if done > self.start else None,
             "overrides": hydra_job_info().get("overrides", []),
             "layout": {"world": layout.world, "rank": layout.rank, "dp": layout.dp, "ep": layout.ep, "pp": layout.pp},
             "plan": self.plan_info,  # parallel=auto's pick and the preflight's prediction (null: neither ran)
@@ -440,11 +446,26 @@ class Trainer:
         }
 
     def report(self, summary: dict) -> None:
-        """Rank 0: the summary to the tracker and summary.json, and the closing lines."""
-        self.tracker.finish(summary)
-        if self.run_dir is not None:
-            (self.run_dir / "summary.json").write_text(to_json(summary, indent=1))
+        """Rank 0: the summary to the tracker and summary.json, and the closing lines. A launch that
+        resumed a finished run (train.resume=auto again: a requeue, a repeated command) trained
+        nothing: the run's summary.json and its tracker summary are kept as the run wrote them."""
         steps, done, val_loss, unigram = self.tcfg.steps, summary["last_step"], self.val_loss, self.unigram
+        path = self.run_dir / "summary.json" if self.run_dir is not None else None
+        if done == self.start and self.resumed:
+            kept = path is not None and path.exists()
+            self.tracker.finish()
+            if path is not None and not kept:
+                path.write_text(to_json(summary, indent=1))
+            print(
+                f"nothing to train: the checkpoint is at step {done}, train.steps={steps}"
+                + (f"; {path} kept as the run wrote it" if kept else "")
+                + f" (raise train.steps to train on)",
+                flush=True,
+            )
+            return
+        self.tracker.finish(summary)
+        if path is not None:
+            path.write_text(to_json(summary, indent=1))
         if summary["status"] == "preempted":
             saved = self.ckpts.ckpt.last_saved
             where = f"checkpoint {saved}" if saved is not None else "no checkpoint (train.checkpoint.every=0 or no dir)"

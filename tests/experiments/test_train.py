@@ -390,6 +390,30 @@ def test_bad_values_are_named(override, match, tmp_path, stdlib):
         run(cfg, tmp_path, stdlib)
 
 
+def test_resuming_a_finished_run_trains_nothing_and_keeps_its_summary(tmp_path, stdlib, capsys):
+    """train.resume=auto (the default) on a run that reached train.steps: a requeue or a repeated
+    command trains nothing, says so and leaves the run's summary.json as it was; a checkpoint past
+    train.steps is refused, naming both steps."""
+    ck = tmp_path / "ck"
+    over = ["model=tiny", "logger=none", *TINY[4:], f"train.checkpoint.dir={ck}", "train.checkpoint.every=1"]
+    first = run(cfg_of(*over), tmp_path, stdlib)
+    assert first["tokens_per_s"] > 0 and first["resumed_from_step"] is None
+    written = (tmp_path / "run" / "summary.json").read_text()
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    again = run(cfg_of(*over), tmp_path, stdlib)
+    assert "nothing to train: the checkpoint is at step 2, train.steps=2" in capsys.readouterr().out
+    assert again["status"] == "completed" and again["resumed_from_step"] == again["last_step"] == 2
+    assert again["tokens_per_s"] is None and again["final_val_loss"] == first["final_val_loss"]
+    assert (tmp_path / "run" / "summary.json").read_text() == written
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == rows
+    # into a fresh run directory: its summary.json is written, with no throughput to report
+    run(cfg_of(*over), tmp_path, stdlib, "elsewhere")
+    assert json.loads((tmp_path / "elsewhere" / "summary.json").read_text())["tokens_per_s"] is None
+    with pytest.raises(ValueError, match=r"checkpoint is at step 2, past train\.steps=1: raise train\.steps"):
+        run(cfg_of(*over, "train.steps=1"), tmp_path, stdlib, "fewer")
+
+
 def test_missing_data_path_is_named(tmp_path):
     with pytest.raises(MissingMandatoryValue, match="data.path"):
         train(cfg_of("model=tiny", "logger=none", "data=text"))
