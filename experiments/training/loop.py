@@ -459,7 +459,7 @@ class Trainer:
             print(
                 f"nothing to train: the checkpoint is at step {done}, train.steps={steps}"
                 + (f"; {path} kept as the run wrote it" if kept else "")
-                + f" (raise train.steps to train on)",
+                + " (raise train.steps to train on)",
                 flush=True,
             )
             return
