@@ -754,6 +754,10 @@ CASES = {
         published_tflops=468e12,
         fixed=dict(grad_accum=1),
         microbatches=(4, 8, 16),
+        # the pipeline schedules Megatron-Core picks from (schedules.get_forward_backward_func: none,
+        # 1F1B, interleaved 1F1B); the run had no zero-bubble, GPipe or DualPipe schedule, nor
+        # overlapped pairs. The published layout is also ranked among the layouts these run
+        run_schedules=(None, "1f1b", "interleaved_1f1b"),
     ),
 }
 
@@ -831,6 +835,13 @@ def _position(rec, p, ranked) -> int:
     return 1 + sum(1 for r, q in ranked if r != rec and (not q.fits, q.step_s, q.memory_bytes) < key)
 
 
+def with_schedules(ranked, schedules) -> list:
+    """Of ``ranked`` (``(record, prediction)`` pairs), those whose pipeline schedule is one of
+    ``schedules`` (None: no pipeline), without overlapped pairs: the layouts a published run's
+    toolkit could have run."""
+    return [(r, q) for r, q in ranked if r.pp_schedule in schedules and not r.pp_overlap]
+
+
 def part_b(skew: float) -> dict:
     out = {}
     for name, case in CASES.items():
@@ -903,6 +914,14 @@ def part_b(skew: float) -> dict:
                 step_s=o_p.step_s,
                 rank=_position(o_rec, o_p, ranked),
             )
+        if case.get("run_schedules"):
+            theirs = with_schedules(ranked, case["run_schedules"])
+            res["run_schedules"] = dict(
+                schedules=[s or "none" for s in case["run_schedules"]],
+                rank=_position(rec, p, theirs),
+                layouts=len(theirs),
+                best=[(r.label(), q.tokens_per_s / case["world"], q.memory_bytes / 1e9) for r, q in theirs[:3]],
+            )
         if case.get("lacks"):
             res["missing_features"] = missing_features(rec, costs, profile, skew)
         out[name] = res
@@ -937,6 +956,14 @@ def part_b(skew: float) -> dict:
         )
         for label, t, g in res["best"]:
             print(f"    {label}: {t:,.0f}, {g:.1f}")
+        if "run_schedules" in res:
+            rs = res["run_schedules"]
+            print(
+                f"  among the {rs['layouts']} layouts of the run's own schedules ({', '.join(rs['schedules'])}; "
+                f"no overlapped pairs): rank {rs['rank']}; their top 3:"
+            )
+            for label, t, g in rs["best"]:
+                print(f"    {label}: {t:,.0f}, {g:.1f}")
         if "missing_features" in res:
             print(f"  what the run had that this trainer lacks ({case['lacks']}), added one at a time:")
             for w in res["missing_features"]:

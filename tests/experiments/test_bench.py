@@ -197,3 +197,29 @@ def test_missing_features_adds_each_of_the_published_runs_features_once():
     assert rows[0]["step_s"] < zplan.predict(dataclasses.replace(rec, pp_overlap=False), costs, h800, skew=1.5).step_s
     tokens = 16 * costs.seq_len
     assert all(r["tokens_per_s"] == pytest.approx(tokens / r["step_s"]) for r in rows)
+
+
+def test_the_published_layout_is_also_ranked_among_its_own_toolkits_schedules():
+    """(b)'s second rank keeps the layouts whose schedule the published run's toolkit had (none
+    pipelined, 1F1B, interleaved 1F1B for Megatron-Core) and none with overlapped pairs, in the
+    planner's order."""
+    import zero.plan as zplan
+    from experiments.bench.plan import CASES, _position, with_schedules
+
+    mixtral = CASES["Mixtral-8x7B on 64 H100"]
+    assert mixtral["published"]["pp_schedule"] in mixtral["run_schedules"]
+    costs = _small_moe_costs()
+    h100 = zplan.load_profile("h100_node")
+    recs = [r for r in zplan.enumerate(costs, world=4, batch_size=16, mixed_precision="bf16") if r.pp_microbatches <= 4]
+    ranked = zplan.rank(costs, h100, recs, skew=1.5)
+    kept = with_schedules(ranked, mixtral["run_schedules"])
+    schedules = {r.pp_schedule for r, _ in ranked}
+    assert {None, "1f1b", "interleaved_1f1b", "zbv", "dualpipev"} <= schedules  # the search has others
+    assert {r.pp_schedule for r, _ in kept} == {None, "1f1b", "interleaved_1f1b"}
+    assert kept == [(r, q) for r, q in ranked if r.pp_schedule in (None, "1f1b", "interleaved_1f1b")]
+    # DualPipeV's layouts without their overlapped pairs, which that toolkit would not have run
+    dualpipe = with_schedules(ranked, ("dualpipev",))
+    assert dualpipe and any(r.pp_overlap for r, _ in ranked) and not any(r.pp_overlap for r, _ in dualpipe)
+    # a 1F1B layout ranks at least as high among its own kind as among all
+    rec, p = next((r, q) for r, q in ranked if r.pp_schedule == "1f1b")
+    assert _position(rec, p, kept) <= _position(rec, p, ranked)
