@@ -335,6 +335,11 @@ def model_costs(
                 capacity_factor=m.capacity_factor,
                 expert_row_bytes=row_saved,
                 row_bytes=c * D,
+                # between the exchanges (ep > 1) the dispatcher's two row gathers save their int64
+                # indices; the fused kernel in rows mode also saves its input rows, and the combine
+                # the outputs it weights, which in tokens mode the kernel folds in (the grouped
+                # kernel's row_saved has both already)
+                rows_mode_row_bytes=16 + (2 * c * D if experts == "fused" else 0),
                 num_groups=m.num_groups,
                 topk_groups=m.topk_groups,
                 # counts, token count, dropped, probability sums, z-loss and entropy sums (moe.layer)

@@ -4,9 +4,11 @@ layout on gloo ranks, against ``zero.plan``'s step time and model-state memory o
 (b) on paper: two published large runs against the planner on vendor profiles; (r) one rank's
 bare forward and backward on ``model=small`` and shapes around it against the planner's compute;
 (s) the zero-bubble schedules' split backward against a whole one; (h) a pipeline's hand-over
-between two computing ranks against the planner's rule for it.
+between two computing ranks against the planner's rule for it; (m) (a)'s peak memory alone, every
+layout once for three steps (memory does not move with the machine's speed: minutes, not half an
+hour).
 
-    python -m experiments.bench.plan [--part a|b|ab|r|s|h] [--steps 8] [--rounds 3] [--quick] [--calibrate]
+    python -m experiments.bench.plan [--part a|b|ab|r|s|h|m] [--steps 8] [--rounds 3] [--quick] [--calibrate]
                                      [--profile cpu_2core] [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
@@ -230,6 +232,60 @@ def _rank_skew(rows: list[dict], ep: int) -> float:
     return worst
 
 
+def _rank_rows_skew(rows: list[dict], ep: int, groups: list[list[int]] | None = None) -> float:
+    """The largest, over the logged rows and ``groups`` of MoE layers (a pipeline rank's; None:
+    all of them), of the busiest ep rank's routed rows summed over the group's layers, over the ep
+    ranks' mean of that sum: the memory's skew (at a forward's end every layer's rows are saved
+    at once, and a rank holds its own in each layer; ``_rank_skew``, the largest single layer's,
+    charged to every layer overstates it); 1 without expert parallelism."""
+    worst = 1.0
+    for row in rows:
+        loads = row.get("expert_load") or []
+        for group in groups if groups is not None else [range(len(loads))]:
+            ranks = [0.0] * ep
+            for layer in group:
+                per = len(loads[layer]) // ep
+                for r in range(ep):
+                    ranks[r] += sum(loads[layer][r * per : (r + 1) * per])
+            if sum(ranks) > 0:
+                worst = max(worst, max(ranks) * ep / sum(ranks))
+    return worst
+
+
+def _moe_layers_by_rank(rec: zplan.LayoutRecord, costs) -> list[list[int]] | None:
+    """Each pipeline rank's MoE layers, numbered in model order (``expert_load``'s rows); None
+    without a pipeline."""
+    plan = rec.plan(len(costs.blocks))
+    if plan is None:
+        return None
+    moe = [j for j, b in enumerate(costs.blocks) if b.is_moe]
+    out = []
+    for r in range(rec.pp):
+        layers = {j for s in plan.stages_of(r) for j in range(*plan.ranges[s])}
+        out.append([n for n, j in enumerate(moe) if j in layers])
+    return out
+
+
+def _memory_at_routing(rec: zplan.LayoutRecord, costs, profile: zplan.Profile, rows: list[dict]):
+    """``(skew, prediction)``: the layout's predicted peak at the routing of the logged ``rows``.
+    The planner takes one skew for every layer; a pipeline rank holds its own layers, so each
+    pipeline rank's peak is predicted at its own layers' skew (``_rank_rows_skew``), and the
+    prediction is the one whose rank's peak is the largest."""
+    groups = _moe_layers_by_rank(rec, costs)
+    if groups is None:
+        skew = _rank_rows_skew(rows, rec.ep)
+        return skew, zplan.predict(rec, costs, profile, skew=skew)
+    best = None
+    for r, group in enumerate(groups):
+        skew = _rank_rows_skew(rows, rec.ep, [group])
+        p = zplan.predict(rec, costs, profile, skew=skew)
+        parts = p.memory_parts_by_pp_rank[r]
+        if best is None or sum(parts.values()) > best[1]:
+            best = (skew, sum(parts.values()), dataclasses.replace(p, memory_parts=dict(parts)))
+    skew, peak, p = best
+    return skew, dataclasses.replace(p, memory_bytes=peak)
+
+
 def _spearman(a, b) -> float:
     def ranks(x):
         x = np.asarray(x, dtype=float)
@@ -356,11 +412,11 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
                     lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
                 rows_logged = [json.loads(x) for x in lines]
                 times = [tokens / r["tokens_per_s"] for r in rows_logged][2:]  # the first two warm up
-                # the peak's routing: the busiest ep rank's routed rows over the mean in the steps the
-                # memory meter watched, the skew the memory is predicted at (dropless; the planner's
-                # default is the worst case, which no run of a trained router comes near)
-                skew = _rank_skew(rows_logged[:2], rec.ep)
-                pred_mem = zplan.predict(rec, costs, profile, skew=skew)
+                # the peak's routing: the busiest ep rank's routed rows over all its layers, over the
+                # mean, in the steps the memory meter watched, the skew the memory is predicted at
+                # (dropless; the planner's default is the worst case, which no run of a trained
+                # router comes near)
+                skew, pred_mem = _memory_at_routing(rec, costs, profile, rows_logged[:2])
                 # the time's: the same ratio, the mean over the steps timed (the All-to-Alls wait for it)
                 time_skew = statistics.mean(_rank_skew([r], rec.ep) for r in rows_logged[2:])
                 pred = zplan.predict(rec, costs, profile, time_skew=time_skew)
@@ -463,6 +519,44 @@ ONE_RANK = [
     ("experts of 128", dict(d_ff=128), 16, 128),
     ("width 128, 8 heads, experts of 512", dict(d_model=128, n_heads=8, d_ff=512), 8, 128),
 ]
+
+
+def part_m(layouts=None) -> dict:
+    """(a)'s peak memory alone: each layout once, three steps (the meter watches the build and the
+    first two), the busiest rank's measured peak against the prediction at the routing of the
+    steps watched (``_memory_at_routing``) on the shipped ``cpu_2core`` profile (memory takes no
+    rates). Prints a row a layout, then the mean and largest error and how many lie within 5%."""
+    from experiments.plan import _model_config, compose
+    from tests.support.dist import run_distributed
+
+    profile = zplan.load_profile("cpu_2core")
+    costs = model_costs(_model_config(compose(BASE)), 128, experts=profile.expert_kernel)
+    rows = []
+    for world, fields in layouts or LAYOUTS:
+        rec = zplan.LayoutRecord(world=world, batch_size=16, **fields)
+        with tempfile.TemporaryDirectory() as tmp:
+            got = run_distributed(
+                _rank_fn, world, [*BASE, "train.steps=3", *rec.overrides()], str(Path(tmp) / "run"), timeout=900
+            )
+            logged = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        peaks = got[0][1]
+        skew, pred = _memory_at_routing(rec, costs, profile, logged[:2])
+        predicted = pred.memory_bytes + pred.host_bytes
+        row = dict(layout=rec.label(), skew=skew, predicted=predicted, measured=max(peaks), by_rank=peaks)
+        row["error"] = row["measured"] / predicted - 1
+        rows.append(row)
+        print(
+            f"| {row['layout']} | {skew:.2f} | {predicted / 1e6:.2f} | {row['measured'] / 1e6:.2f} "
+            f"({', '.join(f'{x / 1e6:.2f}' for x in peaks)}) | {row['error']:+.1%} |",
+            flush=True,
+        )
+    errs = [abs(r["error"]) * 100 for r in rows]
+    out = dict(rows=rows, mean_pct=float(np.mean(errs)), max_pct=max(errs), within_5=sum(e <= 5 for e in errs))
+    print(
+        f"\npeak memory, {len(rows)} layouts: mean {out['mean_pct']:.1f}%, largest {out['max_pct']:.1f}%, "
+        f"{out['within_5']} of {len(rows)} within 5%"
+    )
+    return out
 
 
 def _one_rank_config(fields: dict) -> TransformerConfig:
@@ -977,7 +1071,7 @@ def part_b(skew: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h"])
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h", "m"])
     ap.add_argument("--profile", default="cpu_2core", help="(r, h): the profile predicted on")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
@@ -1018,6 +1112,12 @@ def main(argv=None) -> int:
             "| both ways: measured extra ms | both ways: planner ms (2h) |\n|---|---|---|---|---|---|"
         )
         results["h"] = part_h(a.profile)
+    if a.part == "m":
+        print(
+            "| layout | memory skew | predicted peak (MB) | measured peak (MB; by rank) | error |\n"
+            "|---|---|---|---|---|"
+        )
+        results["m"] = part_m()
     if a.part == "r":
         print("| shape (sequences x tokens) | measured ms | predicted ms | error |\n|---|---|---|---|")
         results["r"] = part_r(a.profile)

@@ -265,6 +265,44 @@ def test_the_planner_benchmarks_routing_skew_and_rank_correlation():
     assert _spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)  # ties share a rank
 
 
+def test_the_planner_benchmarks_memory_skew_sums_a_ranks_layers():
+    """The memory's skew: the busiest ep rank's rows summed over the layers (a pipeline rank's
+    own, when given) over the mean of that sum, the largest over the steps; and a pipeline's
+    predicted peak, each pipeline rank's at its own layers' skew, the largest of those."""
+    import dataclasses
+
+    from experiments.bench.plan import _memory_at_routing, _moe_layers_by_rank, _rank_rows_skew
+    from experiments.plan import _model_config, compose
+    from moe.costs import model_costs
+
+    rows = [
+        # ep2: layer 0 sends 6 of 8 rows to rank 0, layer 1 2 of 8: 8 and 8 in all
+        {"expert_load": [[4, 2, 1, 1], [1, 1, 3, 3]]},
+        {"expert_load": [[2, 2, 2, 2], [3, 3, 1, 1]]},  # 4 + 6 and 4 + 2: 10 and 6
+        {"tokens_per_s": 1.0},
+    ]
+    assert _rank_rows_skew(rows, 2) == pytest.approx(10 / 8)
+    assert _rank_rows_skew(rows[:1], 2) == 1.0  # a layer's skew another layer evens out
+    assert _rank_rows_skew(rows[:1], 2, [[0], [1]]) == pytest.approx(6 / 4)
+    assert _rank_rows_skew(rows, 1) == 1.0
+    # a pipeline of two ranks: rank 0 holds MoE layer 0, rank 1 layers 1-3 (model=small's cut)
+    cfg = _model_config(compose(["model=small"]))
+    costs = model_costs(cfg, 128, experts="fused")
+    prof = zplan.load_profile("cpu_2core")
+    rec = zplan.LayoutRecord(
+        world=4, batch_size=16, pp=2, ep=2, pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=4
+    )
+    assert _moe_layers_by_rank(rec, costs) == [[0], [1, 2, 3]]
+    assert _moe_layers_by_rank(dataclasses.replace(rec, pp=1, pp_schedule=None), costs) is None
+    steps = [{"expert_load": [[9, 1, 1, 1, 1, 1, 1, 1], *[[1, 1, 1, 1, 1, 1, 1, 1]] * 3]}]
+    skew, p = _memory_at_routing(rec, costs, prof, steps)
+    own = [zplan.predict(rec, costs, prof, skew=s) for s in (12 / 8, 1.0)]  # rank 0's layer, rank 1's
+    want = max(sum(q.memory_parts_by_pp_rank[r].values()) for r, q in enumerate(own))
+    assert p.memory_bytes == pytest.approx(want) and sum(p.memory_parts.values()) == pytest.approx(want)
+    assert want < zplan.predict(rec, costs, prof, skew=12 / 8).memory_bytes  # rank 1 at rank 0's skew
+    assert skew == (1.0 if want == sum(own[1].memory_parts_by_pp_rank[1].values()) else 12 / 8)
+
+
 def test_the_planner_benchmarks_profile_drift_is_rate_by_rate():
     """``--calibrate``'s report of how far a fresh calibration lies from the shipped profile: the
     median over the product shapes of the rate ratios, and the bandwidth's, an operator's and a

@@ -162,6 +162,46 @@ def test_saved_activations_per_layer_within_ten_percent_of_autograds(name, kerne
         assert b.act_bytes * B * L == pytest.approx(got, rel=0.1), b.name
 
 
+@pytest.mark.parametrize("kernel,backend", [("fused", "cpu_blocks"), GROUPED])
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c.moe_every and c.moe.capacity_factor is None])
+def test_rows_mode_saves_what_the_costs_add_per_routed_row(name, kernel, backend):
+    """Between All-to-All exchanges (expert parallelism: the experts take rows in expert order, not
+    tokens) an MoE layer saves ``rows_mode_row_bytes`` more per routed row than in tokens mode: the
+    dispatcher's two row gathers' indices, and with the fused CPU kernel its input rows and the
+    outputs the combine weights. Measured on a one-rank gloo group, the same layer through
+    ``AllToAllDispatcher`` against its local path (dropless: every slot a row)."""
+    import torch.distributed as dist
+
+    from moe.dispatch import AllToAllDispatcher
+
+    cfg = CONFIGS[name]
+    B, L = 4, 32
+    costs = model_costs(cfg, L, experts=kernel)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        per_mode = {}
+        for mode in ("tokens", "rows"):
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            if mode == "rows":
+                for layer in model.moe_layers():
+                    layer.dispatcher = AllToAllDispatcher(dist.group.WORLD)
+            saved, marks = _Saved(model), []
+            for m in [model.embed, *model.blocks]:
+                m.register_forward_hook(lambda mod, args, out: marks.append(saved.live))
+            with rk.use_expert_backend(backend), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                model(torch.randint(0, V, (B, L)))
+            per_mode[mode] = [b - a for a, b in zip(marks, marks[1:])]
+    finally:
+        dist.destroy_process_group()
+    moe = [b for b in costs.blocks[1:-1] if b.is_moe]
+    assert moe
+    for b, tokens, rows in zip(costs.blocks[1:-1], per_mode["tokens"], per_mode["rows"]):
+        # a few bytes of scalars aside
+        want = B * L * b.top_k * b.rows_mode_row_bytes if b.is_moe else 0
+        assert rows - tokens == pytest.approx(want, abs=16), b.name
+
+
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_the_cpu_kernels_kept_buffers_are_its_pools(monkeypatch, ckpt):
     # the CPU expert kernel's pool keeps its buffers from step to step: after two steps, what each

@@ -257,3 +257,49 @@ def test_auto_lists_node_dispatch_by_the_runs_nodes():
     assert n > 0 and rec.ep_dispatch == "node" and rec.ep % 2 == 0 and rec.ep > 2
     assert cfg.parallel.ep_dispatch == "node" and cfg.parallel.ep == rec.ep
     assert zplan.layout_problem(rec, 4, 4, None, 2) is None
+
+
+@pytest.mark.parametrize("kernel", ["fused", "grouped"])
+def test_what_a_layer_saves_follows_where_its_experts_run(kernel):
+    """Saved bytes per token of an MoE layer by layout (``_Costing.saved_bytes``; what the rows
+    mode saves is measured in tests/moe/test_costs.py): without expert parallelism ``act_bytes``;
+    between flat exchanges (and node dispatch's exchange inside a node) K routed rows of
+    ``rows_mode_row_bytes`` more; node dispatch with one rank a node runs its experts in tokens
+    mode over the rows received, a row per token and node, and saves those. The worst case's
+    extra rows and the predicted activations follow."""
+    costs = model_costs(
+        TransformerConfig(
+            vocab_size=64, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=8, moe=MoEConfig(16, 32, 8, 2)
+        ),
+        8,
+        experts=kernel,
+    )
+    b = next(b for b in costs.blocks if b.is_moe)
+    assert b.rows_mode_row_bytes == 16 + (2 * 4 * 16 if kernel == "fused" else 0)
+    cases = {
+        zplan.LayoutRecord(world=4, batch_size=16): b.act_bytes,
+        zplan.LayoutRecord(world=4, batch_size=16, ep=4): b.act_bytes + 2 * b.rows_mode_row_bytes,
+        zplan.LayoutRecord(world=4, batch_size=16, ep=4, ep_dispatch="node"): b.act_bytes + 2 * b.rows_mode_row_bytes,
+    }
+    one_a_node = zplan.LayoutRecord(world=4, batch_size=16, ep=4, ep_dispatch="node")
+    for rec, want in cases.items():
+        c = _Costing(rec, costs, _profile(2), 2.0)
+        assert c.saved_bytes(b) == pytest.approx(want, rel=1e-12), rec.label()
+        dense = next(x for x in costs.blocks if not x.is_moe and x.act_bytes)
+        assert c.saved_bytes(dense) == dense.act_bytes
+    c = _Costing(one_a_node, costs, _profile(1), 2.0)
+    d = expected_nodes(8, 2, 4, None, None)
+    assert c.saved_bytes(b) == pytest.approx(b.act_bytes + d * b.row_bytes, rel=1e-12)
+    assert c.saved_row_bytes(b) == b.expert_row_bytes
+    # the predicted peak: with ep, the activations carry the rows mode's bytes (no skew: no extra rows)
+    flat, ep1 = (zplan.LayoutRecord(world=4, batch_size=16, ep=e) for e in (4, 1))
+    p_flat, p_ep1 = (zplan.predict(r, costs, _profile(2), skew=1.0) for r in (flat, ep1))
+    T = 16 // 4 * costs.seq_len
+    moe_layers = sum(1 for x in costs.blocks if x.is_moe)
+    extra = p_flat.memory_parts["activations"] - p_ep1.memory_parts["activations"]
+    assert extra == pytest.approx(moe_layers * T * 2 * b.rows_mode_row_bytes, rel=1e-9)
+    # the worst case's extra rows cost what a row saves there
+    skewed = zplan.predict(flat, costs, _profile(2), skew=1.5)
+    per_row = _Costing(flat, costs, _profile(2), 1.5).saved_row_bytes(b)
+    assert per_row == b.expert_row_bytes + b.rows_mode_row_bytes
+    assert skewed.memory_parts["expert_rows"] == pytest.approx(moe_layers * 0.5 * T * 2 * per_row, rel=1e-9)

@@ -178,14 +178,14 @@ def predict(
 
     def saved(j):
         b = blocks[j]
-        return (b.act_bytes_checkpointed if ckpt else b.act_bytes) * T
+        return (b.act_bytes_checkpointed if ckpt else cst.saved_bytes(b)) * T
 
     def extra_rows(j):
         b = blocks[j]
         if not b.is_moe or ckpt:
             return 0.0
         mean, worst = cst.rows(b)
-        return (worst - mean) * b.expert_row_bytes
+        return (worst - mean) * cst.saved_row_bytes(b)
 
     def keep(j):
         b = blocks[j]
@@ -274,7 +274,10 @@ def predict(
         if ckpt:
             # the recomputed block's activations (its kernel's saved buffers are kernel_buffers)
             work = [
-                w + blocks[j].act_bytes * T + _extra_rows_ckpt(cst, blocks[j]) - cst.pooled(blocks[j], saved_only=True)
+                w
+                + cst.saved_bytes(blocks[j]) * T
+                + _extra_rows_ckpt(cst, blocks[j])
+                - cst.pooled(blocks[j], saved_only=True)
                 for w, j in zip(work, layers)
             ]
         workspace = max(work, default=0.0)
@@ -455,6 +458,7 @@ def predict(
         bubble=bubble,
         live_microbatches=count,
         comm_bytes=comm_bytes(rec, costs, profile.node_size),
+        memory_parts_by_pp_rank=tuple(dict(x[1]) for x in per_rank),
     )
 
 
@@ -475,4 +479,4 @@ def _extra_rows_ckpt(cst: _Costing, b: BlockCost) -> float:
     if not b.is_moe:
         return 0.0
     mean, worst = cst.rows(b)
-    return (worst - mean) * b.expert_row_bytes
+    return (worst - mean) * cst.saved_row_bytes(b)

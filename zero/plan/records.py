@@ -55,6 +55,9 @@ class BlockCost:
     top_k: int = 0
     capacity_factor: float | None = None
     expert_row_bytes: float = 0.0  # saved per routed row (part of act_bytes at top_k rows per token)
+    # saved per routed row beyond expert_row_bytes where the experts run between All-to-All
+    # exchanges (ep > 1: rows in expert order, not tokens); not part of act_bytes
+    rows_mode_row_bytes: float = 0.0
     row_bytes: float = 0.0  # one routed row as the All-to-All moves it
     # group-limited routing (moe.MoEConfig): each token's slots among topk_groups of num_groups
     # groups of consecutive experts; None: plain top_k (ep_dispatch=node's nodes per token)
@@ -138,6 +141,9 @@ class Prediction:
     live_microbatches: int = 1  # the most micro-batches' activations alive at once on a rank
     # bytes one rank sends per step by link tier, as the engine counts them (zero.plan.wire)
     comm_bytes: dict[str, int] = field(default_factory=dict)
+    # each pipeline rank's device peak by part (one entry without a pipeline); memory_parts is the
+    # busiest's
+    memory_parts_by_pp_rank: tuple[dict[str, float], ...] = ()
 
     def to_dict(self) -> dict:
         return {
@@ -151,6 +157,7 @@ class Prediction:
             "bubble": self.bubble,
             "live_microbatches": self.live_microbatches,
             "comm_bytes": dict(self.comm_bytes),
+            "memory_parts_by_pp_rank": [dict(d) for d in self.memory_parts_by_pp_rank],
         }
 
 
