@@ -280,8 +280,9 @@ def _memory_at_routing(rec: zplan.LayoutRecord, costs, profile: zplan.Profile, r
         skew = _rank_rows_skew(rows, rec.ep, [group])
         p = zplan.predict(rec, costs, profile, skew=skew)
         parts = p.memory_parts_by_pp_rank[r]
-        if best is None or sum(parts.values()) > best[1]:
-            best = (skew, sum(parts.values()), dataclasses.replace(p, memory_parts=dict(parts)))
+        total = sum(parts.values())
+        if best is None or total > best[1]:
+            best = (skew, total, dataclasses.replace(p, memory_parts=dict(parts)))
     skew, peak, p = best
     return skew, dataclasses.replace(p, memory_bytes=peak)
 

@@ -161,32 +161,28 @@ class _Costing:
         worst = bound if self.skew is None else min(self.skew * mean, bound)
         return mean, max(worst, mean)
 
-    def saved_bytes(self, b: BlockCost) -> float:
-        """Bytes per token layer ``b`` saves for its backward on this layout: ``act_bytes``, and
-        where the experts run between All-to-All exchanges (ep > 1) what rows mode saves beyond:
-        ``rows_mode_row_bytes`` per routed row (flat dispatch, and node dispatch's exchange inside
-        a node); node dispatch with one rank a node runs its experts in tokens mode over the rows
-        received, whose inputs (a row per token and node) it saves."""
-        return b.act_bytes + self.rows_mode_bytes(b)
-
-    def rows_mode_bytes(self, b: BlockCost) -> float:
-        """Of ``saved_bytes``, what expert parallelism adds per token (0 without it)."""
+    def _rows_mode(self, b: BlockCost) -> bool:
+        """Whether layer ``b``'s experts take rows in expert order between flat exchanges: ep > 1
+        (flat dispatch, and node dispatch's exchange inside a node), but not node dispatch with one
+        rank a node, whose experts run in tokens mode over the rows received."""
         if not b.is_moe or self.rec.ep == 1:
-            return 0.0
-        if self.rec.ep_dispatch == "node":
-            _, intra, d = self.node_split(b)
-            if len(intra) == 1:
-                return d * b.row_bytes
-        return b.top_k * b.rows_mode_row_bytes
+            return False
+        return self.rec.ep_dispatch != "node" or len(self.node_split(b)[1]) > 1
+
+    def saved_bytes(self, b: BlockCost) -> float:
+        """Bytes per token layer ``b`` saves for its backward on this layout: ``act_bytes``, and in
+        rows mode (``_rows_mode``) ``rows_mode_row_bytes`` more per routed row; node dispatch with
+        one rank a node saves the inputs of the rows received instead, a row per token and node."""
+        if self._rows_mode(b):
+            return b.act_bytes + b.top_k * b.rows_mode_row_bytes
+        if b.is_moe and self.rec.ep > 1:
+            return b.act_bytes + self.node_split(b)[2] * b.row_bytes
+        return b.act_bytes
 
     def saved_row_bytes(self, b: BlockCost) -> float:
-        """Bytes layer ``b`` saves per routed row on this layout (``expert_row_bytes``, and
-        ``rows_mode_row_bytes`` where the rows cross a flat exchange)."""
-        if self.rec.ep == 1:
-            return b.expert_row_bytes
-        if self.rec.ep_dispatch == "node" and len(self.node_split(b)[1]) == 1:
-            return b.expert_row_bytes
-        return b.expert_row_bytes + b.rows_mode_row_bytes
+        """Bytes layer ``b`` saves per routed row on this layout: ``expert_row_bytes``, and
+        ``rows_mode_row_bytes`` in rows mode."""
+        return b.expert_row_bytes + (b.rows_mode_row_bytes if self._rows_mode(b) else 0.0)
 
     def _pool_bytes(self, b: BlockCost, kind: str, width: int) -> float:
         """Bytes of one of layer ``b``'s kernel buffers (``BlockCost.pool_buffers``)."""
