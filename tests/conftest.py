@@ -36,12 +36,14 @@ if not torch.cuda.is_available():
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the group into the test's id
 def pytest_collection_modifyitems(config, items):
-    # under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) every distributed test
-    # joins one group, which runs on one worker, one test at a time: each starts 2-4 ranks that
-    # take the machine's cores; the other worker meanwhile runs single-process tests
+    # under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) a module's distributed
+    # tests form one group, which runs on one worker: its module-scoped fixtures (trained runs,
+    # checkpoints) are built once. Two modules' groups may run at once, one a worker: their ranks
+    # wait on each other's collectives more than they compute (the suite's processes kept 0.9 of
+    # the 2 cores busy with every distributed test on one worker)
     for item in items:
         if item.get_closest_marker("distributed"):
-            item.add_marker(pytest.mark.xdist_group("distributed"))
+            item.add_marker(pytest.mark.xdist_group(f"distributed:{item.module.__name__}"))
 
 
 def pytest_configure(config):
