@@ -231,6 +231,7 @@ class ZeroEngine(GatherHooks, GradReduction, OptimizerStep):
         self.last_step_skipped = False  # the last step() found a non-finite value and changed nothing
         self.skipped_steps = 0  # steps skipped so far
         self.last_nonfinite: list[int] = []  # per entry of the last step's extra_finite: ranks where it was False
+        self.last_extra_sums: list[float] = []  # the last step's extra_sums, each entry summed over the ranks
         self.zpp = zpp
         self.comm = CommCounter.for_layout(self.layout)  # every collective below goes through it
 

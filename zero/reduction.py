@@ -110,22 +110,30 @@ class GradReduction:
         self._reducing = False
         self._reduced = True
 
-    def _global_grad_norm(self, extra_finite: torch.Tensor | None = None) -> tuple[float, list[int]]:
-        """The global gradient norm, and for each entry of ``extra_finite`` the number of ranks on
-        which it is False: one all-reduce over dp (and pp) carries both, and a non-finite gradient
-        on any rank makes the summed square non-finite everywhere."""
+    def _global_grad_norm(
+        self, extra_finite: torch.Tensor | None = None, extra_sums: torch.Tensor | None = None
+    ) -> tuple[float, list[int], list[float]]:
+        """The global gradient norm, for each entry of ``extra_finite`` the number of ranks on which
+        it is False, and each entry of ``extra_sums`` summed over the ranks: one all-reduce over dp
+        (and pp) carries them all, and a non-finite gradient on any rank makes the summed square
+        non-finite everywhere."""
         # each rank's norm slices are disjoint: dense over dp, expert slices over edp and distinct
         # experts over ep, so one sum over dp (and pp) counts every parameter once
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for f in self.flats:
             g = f.norm_slice()
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self.device)
+        parts = [sq]
         if extra_finite is not None:
-            sq = torch.cat([sq, (~extra_finite.reshape(-1)).to(self.device, torch.float32)])
+            parts.append((~extra_finite.reshape(-1)).to(self.device, torch.float32))
+        if extra_sums is not None:
+            parts.append(extra_sums.reshape(-1).to(self.device, torch.float32))
+        sq = torch.cat(parts) if len(parts) > 1 else sq
         layout = self.layout
         if layout.dp_group is not None:
             self.comm.all_reduce(sq, layout.dp_group, label="grad_norm")
         if layout.pp_group is not None:
             self.comm.all_reduce(sq, layout.pp_group, label="grad_norm")
         values = sq.tolist()  # the step's one host sync
-        return math.sqrt(values[0]) / layout.dp, [int(v) for v in values[1:]]
+        n = 0 if extra_finite is None else extra_finite.numel()
+        return math.sqrt(values[0]) / layout.dp, [int(v) for v in values[1 : 1 + n]], values[1 + n :]

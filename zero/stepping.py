@@ -13,6 +13,11 @@ themselves (a collective). After each step: ``last_grad_norm`` (what step() retu
 ``last_step_skipped``, ``skipped_steps`` (the total) and ``last_nonfinite`` (for each entry of
 ``extra_finite``, flattened, the number of ranks on which it was False). ``step(...,
 skip_if_nonfinite=False)`` applies the step anyway.
+
+``step(extra_sums=...)``: any other per-rank values the caller wants summed over every rank (the
+trainer's preemption flag), in the same all-reduce: ``last_extra_sums`` after the step, whether it
+was taken or skipped. A flag every rank must agree on after each step then costs no collective of
+its own.
 """
 
 from __future__ import annotations
@@ -64,7 +69,13 @@ class OptimizerStep:
             g["lr"] = value
 
     @torch.no_grad()
-    def step(self, extra_finite: torch.Tensor | None = None, *, skip_if_nonfinite: bool = True) -> float:
+    def step(
+        self,
+        extra_finite: torch.Tensor | None = None,
+        *,
+        skip_if_nonfinite: bool = True,
+        extra_sums: torch.Tensor | None = None,
+    ) -> float:
         """Clip, run the optimizer on every shard tensor, refresh the compute weights, drop the
         gradients. Returns the global gradient 2-norm before clipping (each parameter counted once).
 
@@ -72,7 +83,9 @@ class OptimizerStep:
         when the norm, or any entry of any rank's ``extra_finite`` (a bool tensor, True where the
         caller's quantity is finite, e.g. ``torch.isfinite(loss)``; the same shape on every rank),
         is not finite, nothing is updated and the gradients are dropped. ``extra_finite`` travels in
-        the norm's all-reduce. ``skip_if_nonfinite=False`` steps anyway (the old behaviour)."""
+        the norm's all-reduce. ``skip_if_nonfinite=False`` steps anyway (the old behaviour).
+        ``extra_sums`` (a floating-point tensor, the same shape on every rank) travels there too:
+        its entries summed over every rank, flattened, are ``last_extra_sums``; they skip nothing."""
         if extra_finite is not None and not (
             isinstance(extra_finite, torch.Tensor) and extra_finite.dtype == torch.bool
         ):
@@ -84,6 +97,11 @@ class OptimizerStep:
             raise ValueError(
                 f"extra_finite must be a bool tensor (True where the quantity is finite, e.g. "
                 f"torch.isfinite(loss)), got {got}"
+            )
+        if extra_sums is not None and not (isinstance(extra_sums, torch.Tensor) and extra_sums.is_floating_point()):
+            got = f"a tensor of dtype {extra_sums.dtype}" if isinstance(extra_sums, torch.Tensor) else type(extra_sums)
+            raise ValueError(
+                f"extra_sums must be a floating-point tensor (per-rank values to sum over every rank), got {got}"
             )
         if self._backward_open:
             self._finish_backward()
@@ -97,7 +115,7 @@ class OptimizerStep:
         # the reduction summed over the group: 1/dp makes dense gradients the dp mean and expert
         # gradients (summed over ep by the All-to-All and over edp here) the global-batch ones
         grad_scale = 1.0 / self.layout.dp
-        norm, self.last_nonfinite = self._global_grad_norm(extra_finite)
+        norm, self.last_nonfinite, self.last_extra_sums = self._global_grad_norm(extra_finite, extra_sums)
         self.last_grad_norm = norm
         self.last_step_skipped = skip_if_nonfinite and (not math.isfinite(norm) or any(self.last_nonfinite))
         if self.last_step_skipped:  # the same decision on every rank: the inputs were all-reduced

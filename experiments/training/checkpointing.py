@@ -3,7 +3,8 @@ format and its guarantees are ``zero.checkpoint``'s; ``experiments.checkpoint`` 
 consolidates and exports what the trainer saves.
 
 ``TrainCheckpoints`` is what the training loop calls: ``resume()`` before the loop,
-``stop_requested()`` after each step (SIGTERM or SIGUSR1 on any rank, agreed by all), ``due()`` /
+``stop_flag()`` into each optimizer step and ``stop_requested()`` after it (SIGTERM or SIGUSR1 on
+any rank, agreed by all through the step's gradient-norm all-reduce), ``due()`` /
 ``save()``, ``close()``, and for a preempted run ``hand_over()`` last (submitit's requeue).
 """
 
@@ -23,9 +24,9 @@ def is_checkpoint(path: Path) -> bool:
 
 class TrainCheckpoints:
     """The trainer's checkpointing, from ``cfg.train.checkpoint`` and ``cfg.train.resume`` (checked
-    by ``checks.check_config`` before any collective). On several ranks two gloo groups are created:
-    one for DCP (an async save runs its collectives in a background thread) and one for the
-    per-step preemption flag."""
+    by ``checks.check_config`` before any collective). On several ranks a gloo group is created for
+    DCP (an async save runs its collectives in a background thread); the per-step preemption flag
+    rides in the optimizer step's all-reduce."""
 
     def __init__(self, cfg, engine: zero.ZeroEngine, layout: zero.Layout, run_dir: Path | None):
         c = cfg.train.checkpoint
@@ -42,7 +43,7 @@ class TrainCheckpoints:
             async_save=bool(c.async_save),
             group=zc.new_group() if multi else None,
         )
-        self.preemption = Preemption(zc.new_group() if multi else None)
+        self.preemption = Preemption()
         self.last_saved_step: int | None = None
 
     def resume(self) -> dict | None:
@@ -77,8 +78,14 @@ class TrainCheckpoints:
         """A periodic save (or the final one) after step ``done``."""
         return self.every > 0 and (done % self.every == 0 or last) and done != self.last_saved_step
 
-    def stop_requested(self) -> bool:
-        return self.preemption.requested()
+    def stop_flag(self):
+        """This rank's preemption flag, for ``engine.step(extra_sums=...)``."""
+        return self.preemption.flag()
+
+    def stop_requested(self, ranks_flagged: float) -> bool:
+        """Whether any rank has had a preemption signal, from ``stop_flag()`` summed over every rank
+        by the step just taken."""
+        return self.preemption.requested(ranks_flagged)
 
     def save(self, done: int, state: dict, config_yaml: str) -> Path | None:
         """Save after step ``done`` with the trainer's ``state`` (JSON) and the resolved config."""

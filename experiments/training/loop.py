@@ -246,7 +246,9 @@ class Trainer:
         # aux loss or gradient norm that is non-finite on any rank skips the step on every rank
         # (the loss is the last stage's; other stages hand a zero)
         finite = self.guard.flags(loss_step, stats.aux_M / self.forwards, stats.z_M / self.forwards)
-        gnorm = torch.as_tensor(self.engine.step(extra_finite=finite), dtype=torch.float32, device=self.device)
+        # the preemption flag rides in the same all-reduce (run() reads it after the step)
+        norm = self.engine.step(extra_finite=finite, extra_sums=self.ckpts.stop_flag())
+        gnorm = torch.as_tensor(norm, dtype=torch.float32, device=self.device)
         self.memory.step_done()
         self.sums.steps_run += 1
         self.sums.add_comm(self.engine.comm_bytes())  # a skipped step moved its bytes too
@@ -363,7 +365,8 @@ class Trainer:
                 bar.update(1)
 
                 last = done == tcfg.steps
-                stop = self.ckpts.stop_requested()  # SIGTERM/SIGUSR1 on any rank: every rank saves and stops here
+                # SIGTERM/SIGUSR1 on any rank by this step's norm all-reduce: every rank saves and stops here
+                stop = self.ckpts.stop_requested(self.engine.last_extra_sums[0])
                 # a checkpoint step is a log step: nothing half-summed is lost
                 save_now = self.ckpts.due(done, last) or stop
                 row_val = self.validate(done) if done % tcfg.eval_every == 0 or last else None

@@ -80,6 +80,9 @@ def test_sigterm_saves_on_every_rank_and_resumes_exactly(trainer_runs):
     root, _, _, two, _ = trainer_runs
     for rank, r in enumerate(two):
         assert r["preempted"]["status"] == "preempted" and r["preempted"]["last_step"] == 4, rank
+        # the pipeline's last stage had the signal; the first stops with it, having heard of it
+        # only through the gradient norm's all-reduce over the stages
+        assert (r["pp_preempted"]["status"], r["pp_preempted"]["last_step"]) == ("preempted", 2), rank
         assert r["resumed"]["resumed_from_step"] == 4, rank
         assert r["resumed"]["train_losses"] == r["full"]["train_losses"], rank
         for name, w in r["full"]["weights"].items():

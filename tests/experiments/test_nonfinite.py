@@ -82,10 +82,20 @@ def _engine_run(layout: Layout, stage: int, inject: str | None = None, leave_out
             loss_seen += loss.detach() + (NAN if here == "loss" else 0.0)
         if s == 0:
             first_grads = engine.full_gradients()
-        engine.step(extra_finite=torch.isfinite(loss_seen).reshape(1))
+        # beside the flags, per-rank values summed over the ranks in the same all-reduce (the
+        # trainer's preemption flag): rank r adds r + 1 and, at step s, s
+        sums = torch.tensor([layout.rank + 1.0, float(s)])
+        engine.step(extra_finite=torch.isfinite(loss_seen).reshape(1), extra_sums=sums)
         gathered = any(f.is_gathered() for f in engine.flats if f.sharded_params)
         record.append(
-            (s, engine.last_step_skipped, list(engine.last_nonfinite), math.isfinite(engine.last_grad_norm), gathered)
+            (
+                s,
+                engine.last_step_skipped,
+                list(engine.last_nonfinite),
+                math.isfinite(engine.last_grad_norm),
+                gathered,
+                list(engine.last_extra_sums),
+            )
         )
         if not engine.last_step_skipped:
             torch.distributed.all_reduce(loss_seen, group=layout.dp_group)
@@ -157,10 +167,12 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(engine_results, stage, ep,
         r = out[(stage, inject)]
         skipped = [s for s, skip, *_ in r["record"] if skip]
         assert skipped == [K], (rank, r["record"])
-        s, _, nonfinite, norm_finite, gathered = r["record"][K]
+        s, _, nonfinite, norm_finite, gathered, _ = r["record"][K]
         # the loss flag is counted on the one rank that raised it; a NaN gradient shows in the norm
         assert (nonfinite, norm_finite) == (([1], True) if inject == "loss" else ([0], False)), (rank, r["record"][K])
         assert not gathered, "a skipped stage-3 step frees the gathered weights like a taken one"
+        # the extra sums, over both ranks, after every step (the skipped one too); they skip nothing
+        assert [rec[5] for rec in r["record"]] == [[3.0, 2.0 * s] for s in range(NF_STEPS)], (rank, r["record"])
         assert r["skipped"] == 1 and r["step_count"] == NF_STEPS - 1 and r["opt_steps"] == {NF_STEPS - 1}, r
         assert r["same_as_without"] and r["same_losses"], f"rank {rank}: not the run without step {K}"
         loss_err, w_err, g_err = r["vs_reference"]
@@ -180,6 +192,8 @@ def test_skip_is_optional_and_flags_must_be_bool():
     engine.backward(engine(x).mean())
     with pytest.raises(ValueError, match="extra_finite must be a bool tensor.*float32"):
         engine.step(extra_finite=torch.ones(1))
+    with pytest.raises(ValueError, match="extra_sums must be a floating-point tensor.*int64"):
+        engine.step(extra_sums=torch.ones(1, dtype=torch.int64))
     engine.zero_grad()
     assert engine.weights_finite()
     out = engine(x)

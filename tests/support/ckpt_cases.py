@@ -217,7 +217,8 @@ def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
     """On 2 ranks (ep2, ZeRO-3): the uninterrupted run (async saves); a run SIGTERMed (rank 0 only) while drawing
     step index 3's batch, which must save after step 4 and stop; its resumption (train.resume=auto,
     same dir); and a resumption of the single-process checkpoint ``single_ckpt``. Then 2 pipeline
-    stages: a run from scratch (its checkpoints for one process to load) and a resumption of
+    stages: a run SIGTERMed on the last stage only while drawing step index 1's batch (saves after
+    step 2 on both and stops), a run from scratch (its checkpoints for one process to load) and a resumption of
     ``single_ga2_ckpt``."""
     import functools
     import signal
@@ -242,6 +243,13 @@ def trainer_rank(rank, world, root, single_ckpt, single_ga2_ckpt):
     out["from_single"] = train(
         train_cfg(*layout, f"train.resume={single_ckpt}"), run_dir=f"{root}/from_single", keep_weights=True
     )
+    # a signal on the last stage only: the flag crosses the pipeline group in the gradient norm's
+    # all-reduce, and both stages save after step 2 and stop
+    undo = signal_at(1, signal.SIGTERM) if rank == 1 else (lambda: None)
+    try:
+        out["pp_preempted"] = train(train_cfg(*PP), run_dir=f"{root}/pp_pre")
+    finally:
+        undo()
     out["pp"] = train(train_cfg(*PP), run_dir=f"{root}/pp")
     out["pp_from_single"] = train(
         train_cfg(*PP, f"train.resume={single_ga2_ckpt}"), run_dir=f"{root}/pp_from_single", keep_weights=True
