@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from routing_kernels.runtime import all_reduce_sum, first_pass_weight, group_size
+from routing_kernels.runtime import all_reduce_sum, first_pass_weight, group_size, replayed
 
 from .config import MoEConfig
 from .dispatch import AllToAllDispatcher, LocalDispatcher, NodeDispatcher
@@ -149,18 +149,17 @@ class MoELayer(nn.Module):
             torch.ones(routing.selected_TK.numel(), dtype=torch.float64, device=x.device),
         )
         # one all-reduce carries every global statistic, with no host sync on the way (no .item(),
-        # no boolean-mask indexing)
-        total = _all_reduce_fields(
-            {
-                "counts_E": counts_E1[1:],
-                "tokens": torch.full((), float(T), dtype=torch.float64, device=x.device),
-                "dropped": routing.num_dropped,
-                "prob_sums_E": routing.probs_TE.detach().sum(0),
-                "z_loss_sum": z_loss.detach() * T,
-                "entropy_sum": routing_entropy(routing.probs_TE.detach()) * T,
-            },
-            self.dp_group,
-        )
+        # no boolean-mask indexing); activation checkpointing's recomputation reuses the forward's
+        # (replayed: the same routing gives the same sums) instead of reducing again in the backward
+        fields = {
+            "counts_E": counts_E1[1:],
+            "tokens": torch.full((), float(T), dtype=torch.float64, device=x.device),
+            "dropped": routing.num_dropped,
+            "prob_sums_E": routing.probs_TE.detach().sum(0),
+            "z_loss_sum": z_loss.detach() * T,
+            "entropy_sum": routing_entropy(routing.probs_TE.detach()) * T,
+        }
+        total = replayed(lambda: _all_reduce_fields(fields, self.dp_group))
         counts_E = total["counts_E"]
         T_global = total["tokens"].clamp(min=1.0)
 

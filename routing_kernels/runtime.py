@@ -131,6 +131,36 @@ def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int
 # --- autograd ------------------------------------------------------------------------------------
 
 _recomputing = 0  # depth of recomputation() contexts
+_replays = threading.local()  # .stack: this thread's (replay, replaying) of the checkpoints it is inside
+
+
+class _Replay:
+    """What one checkpointed forward's ``replayed`` collectives returned, in order, for its
+    recomputations to take back instead of running them again."""
+
+    def __init__(self):
+        self.results: list = []
+        self.next = 0
+
+
+class _ReplayContext:
+    """Pushes ``replay`` on this thread's stack: recording (the first forward) or replaying (a
+    recomputation, from its first result again each time)."""
+
+    def __init__(self, replay: _Replay, replaying: bool):
+        self.replay, self.replaying = replay, replaying
+
+    def __enter__(self):
+        self.replay.next = 0
+        stack = getattr(_replays, "stack", None)
+        if stack is None:
+            stack = _replays.stack = []
+        stack.append((self.replay, self.replaying))
+        return self
+
+    def __exit__(self, *exc):
+        _replays.stack.pop()
+        return False
 
 
 class recomputation:
@@ -138,23 +168,58 @@ class recomputation:
     that ``torch.compile`` traces: there ``in_backward()`` cannot ask autograd and reads this mark
     instead (pass ``context_fn=recompute_context`` to ``torch.utils.checkpoint.checkpoint``).
     Re-entrant: torch's checkpoint enters the same object for every recomputation of one forward,
-    and a split backward (a zero-bubble pipeline's input and weight passes) recomputes twice."""
+    and a split backward (a zero-bubble pipeline's input and weight passes) recomputes twice.
+    ``replay``: the first forward's recorded collectives (``replayed``), taken back in the re-run."""
+
+    def __init__(self, replay: _Replay | None = None):
+        self.replay = None if replay is None else _ReplayContext(replay, replaying=True)
 
     def __enter__(self):
         global _recomputing
         _recomputing += 1
+        if self.replay is not None:
+            self.replay.__enter__()
         return self
 
     def __exit__(self, *exc):
         global _recomputing
         _recomputing -= 1
+        if self.replay is not None:
+            self.replay.__exit__(*exc)
         return False
 
 
 def recompute_context():
-    """``context_fn`` for non-reentrant ``torch.utils.checkpoint.checkpoint``: nothing around the
-    first forward, ``recomputation()`` around the re-run."""
-    return contextlib.nullcontext(), recomputation()
+    """``context_fn`` for non-reentrant ``torch.utils.checkpoint.checkpoint``: around the first
+    forward a record of its ``replayed`` collectives, around the re-run ``recomputation()``, which
+    takes them back instead of running them again."""
+    replay = _Replay()
+    return _ReplayContext(replay, replaying=False), recomputation(replay)
+
+
+def replayed(collective):
+    """``collective()``, a collective whose result a recomputation may reuse: the same inputs give
+    the same result (the MoE layer's statistics all-reduce, whose routing the re-run repeats exactly).
+    Inside a checkpoint run with ``recompute_context``, the first forward records what it returned
+    and each recomputation takes that back in order, so the backward runs no collective for it: no
+    wait behind the gradient reductions in flight on the same group, no latency on the backward's
+    path. Elsewhere (no such checkpoint, or traced by ``torch.compile``, or a re-run whose forward
+    recorded nothing) it runs. The record lives as long as the checkpoint's saved inputs."""
+    if torch.compiler.is_compiling():
+        return collective()
+    stack = getattr(_replays, "stack", None)
+    if not stack:
+        return collective()
+    replay, replaying = stack[-1]
+    if not replaying:
+        out = collective()
+        replay.results.append(out)
+        return out
+    if replay.next < len(replay.results):
+        out = replay.results[replay.next]
+        replay.next += 1
+        return out
+    return collective()
 
 
 def in_backward() -> bool:

@@ -534,11 +534,12 @@ def test_two_torchrun_nodes_one_stage_each(tmp_path, stdlib):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["layout"]["pp"] == 2 and summary["layout"]["world"] == 2
     # the bytes each stage's engine sends: with dp=1 it gathers and reduces nothing, so only the
-    # gradient norm's all-reduce over the two stages (the loss flags ride in it: the norm, then an
-    # aux and a z loss per MoE layer and the loss, fp32), between nodes of one rank each (zero.comm:
-    # an all-reduce of N bytes over 2 ranks on 2 nodes sends N). The pipeline's activations and
-    # gradients (point-to-point) are the model's traffic, not the engine's: not counted
-    norm_bytes = 4 * (1 + 2 * summary["moe_layers"] + 1)
+    # gradient norm's all-reduce over the two stages (the loss flags and the preemption flag ride in
+    # it: the norm, then an aux and a z loss per MoE layer and the loss, then the preemption flag,
+    # fp32), between nodes of one rank each (zero.comm: an all-reduce of N bytes over 2 ranks on 2
+    # nodes sends N). The pipeline's activations and gradients (point-to-point) are the model's
+    # traffic, not the engine's: not counted
+    norm_bytes = 4 * (1 + 2 * summary["moe_layers"] + 1 + 1)
     assert summary["moe_layers"] > 0
     for r in metrics_rows(run_dir):
         assert (r["comm_bytes_intra"], r["comm_bytes_inter"]) == (0, norm_bytes), r

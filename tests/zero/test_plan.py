@@ -424,6 +424,29 @@ def test_predictions_move_the_right_way(setting):
     assert p0.tokens_per_s == pytest.approx(BATCH * costs.seq_len / p0.step_s)
 
 
+def test_a_recomputed_forward_runs_its_exchanges_again_but_not_the_statistics(setting):
+    """Activation checkpointing adds each layer's forward compute and its MoE exchanges to the
+    backward, but not the statistics' all-reduce: the recomputation takes the forward's back
+    (``routing_kernels.runtime.replayed``, tests/moe/test_replay.py)."""
+    from zero.plan.terms import _Costing
+
+    costs, profile = setting.costs, _profile()
+    r = zplan.LayoutRecord(world=2, batch_size=BATCH, ep=2)
+    ck = dataclasses.replace(r, checkpoint_activations=True)
+    plain, again = zplan.predict(r, costs, profile), zplan.predict(ck, costs, profile)
+    cst = _Costing(ck, costs, profile, None)
+    comp = [cst.compute(b) for b in costs.blocks]
+    moe = [cst.moe_comm(b) for b in costs.blocks]
+    stats = [cst.coll("all_reduce", b.stats_bytes, cst.groups.dp) if b.is_moe else 0.0 for b in costs.blocks]
+    assert sum(stats) > 0 and any(m["R"] > 0 for m in moe)
+    assert [m["R"] for m in moe] == pytest.approx([m["F"] - x for m, x in zip(moe, stats)], rel=1e-12)
+    extra = sum(c["F"] + m["F"] - x for c, m, x in zip(comp, moe, stats))
+    assert again.time_parts["backward"] - plain.time_parts["backward"] == pytest.approx(extra, rel=1e-9)
+    assert again.time_parts["moe_comm"] - plain.time_parts["moe_comm"] == pytest.approx(
+        sum(m["F"] - x for m, x in zip(moe, stats)), rel=1e-9
+    )
+
+
 def test_shipped_profiles_round_trip(tmp_path):
     names = zplan.available_profiles()
     assert {"h100_node", "h200_node", "h800_node", "cpu_2core"} <= set(names)

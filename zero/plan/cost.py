@@ -74,7 +74,8 @@ on both ranks' actions where every core computes; every accumulation round runs 
 (fill and drain). Under ``parallel.pp_overlap`` (dualpipev) each overlapped forward-backward pair
 runs its two passes at once, where something other than the computing cores runs the collectives:
 each pass's MoE exchanges (its layers' All-to-All, statistics all-reduce and capacity gather; the
-backward's with a recomputed forward's again) wait beside the other pass's compute, so the pair
+backward's with a recomputed forward's again, but for the statistics' all-reduce, which a
+recomputation takes back from its forward) wait beside the other pass's compute, so the pair
 takes max(cF + cB, mF + mB, dF, dB) (c: compute, m: exchanges, d: a pass's whole duration;
 ``schedule.simulate``); where every core computes the pairs stay one pass after the other.
 Where ranks share cores, the busiest expert rank's products take the longer of its rows alone
@@ -171,7 +172,8 @@ def predict(
         return comp[j]["F"] + moe[j]["F"]
 
     def layer_i(j):
-        return comp[j]["I"] + moe[j]["I"] + (layer_f(j) if ckpt else 0.0)  # recomputation
+        # the recomputation: the forward's compute and its exchanges but the statistics' all-reduce
+        return comp[j]["I"] + moe[j]["I"] + (comp[j]["F"] + moe[j]["R"] if ckpt else 0.0)
 
     def layer_w(j):
         return comp[j]["W"]
@@ -388,13 +390,13 @@ def predict(
         # the other's compute (schedule.simulate's rule); only where something other than the
         # computing cores runs the collectives (where every core computes they take the cores' time).
         # DualPipeV's pairs are a forward and a full backward: the backward's exchanges are its
-        # input part's, and under recomputation the recomputed forward's again
+        # input part's, and under recomputation the recomputed forward's again (but the statistics')
         comm = None
         if plan.overlap and cst.overlap:
             comm = {
                 "F": [sum(moe[j]["F"] for j in range(*stages[s])) for s in range(n_st)],
                 "B": [
-                    sum(moe[j]["I"] + (moe[j]["F"] if ckpt else 0.0) for j in range(*stages[s])) for s in range(n_st)
+                    sum(moe[j]["I"] + (moe[j]["R"] if ckpt else 0.0) for j in range(*stages[s])) for s in range(n_st)
                 ],
             }
         plain = simulate_plan(plan, stage_rank, dur, latency, None, comm)
@@ -442,7 +444,8 @@ def predict(
             for layers in rank_layers
         ),
         # the MoE layers' synchronous exchanges, the recomputed forwards' under checkpointing too
-        moe_comm=max(sum(moe[j]["F"] * (1 + ckpt) + moe[j]["I"] for j in layers) for layers in rank_layers) * passes,
+        moe_comm=max(sum(moe[j]["F"] + moe[j]["R"] * ckpt + moe[j]["I"] for j in layers) for layers in rank_layers)
+        * passes,
     )
     per_node = min(rec.world, profile.node_size)
     device = mem * (per_node if profile.memory_shared_by_node else 1)

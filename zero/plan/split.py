@@ -49,7 +49,8 @@ def layer_seconds(
     cst = _Costing(rec, costs, profile, skew, time_skew)
     comp, moe, *_ = _layer_terms(cst)
     again = 1.0 if rec.checkpoint_activations else 0.0
-    return [c["F"] + c["I"] + c["W"] + (1.0 + again) * m["F"] + m["I"] + again * c["F"] for c, m in zip(comp, moe)]
+    # the recomputed forward: its compute and exchanges but the statistics' all-reduce (replayed)
+    return [c["F"] + c["I"] + c["W"] + m["F"] + m["I"] + again * (c["F"] + m["R"]) for c, m in zip(comp, moe)]
 
 
 def score(sizes, seconds: list[float], owner: list[int]) -> tuple[float, float]:

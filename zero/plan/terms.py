@@ -313,13 +313,16 @@ class _Costing:
         return inter, intra, expected_nodes(b.num_experts, b.top_k, len(inter), b.num_groups, b.topk_groups)
 
     def moe_comm(self, b: BlockCost) -> dict[str, float]:
-        """Synchronous communication of an MoE layer per micro-batch: F and I (the backward)."""
+        """Synchronous communication of an MoE layer per micro-batch: F, I (the backward) and R
+        (activation checkpointing's recomputed forward: F but the statistics' all-reduce, which
+        the recomputation takes back from its forward, ``routing_kernels.runtime.replayed``)."""
         if not b.is_moe:
-            return {"F": 0.0, "I": 0.0}
+            return {"F": 0.0, "I": 0.0, "R": 0.0}
         rec, g = self.rec, self.groups
-        f = i = 0.0
+        f = i = stats = 0.0
         if rec.dp > 1:
-            f += self.coll("all_reduce", b.stats_bytes, g.dp)
+            stats = self.coll("all_reduce", b.stats_bytes, g.dp)
+            f += stats
             if b.capacity_factor is not None:
                 f += self.coll("all_gather", b.routing_bytes * self.tokens * rec.dp, g.dp)
         if rec.ep > 1 and rec.ep_dispatch == "node":
@@ -331,7 +334,7 @@ class _Costing:
             counts = self.coll("all_to_all", 8 * b.num_experts, g.ep)
             f += 2 * a2a + counts  # dispatch and combine, and the counts before them
             i += 2 * a2a
-        return {"F": f, "I": i}
+        return {"F": f, "I": i, "R": f - stats}
 
     def node_comm(self, b: BlockCost) -> dict[str, float]:
         """``ep_dispatch=node``'s exchanges per micro-batch (``moe.dispatch.NodeDispatcher``). Over

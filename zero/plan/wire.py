@@ -14,8 +14,9 @@ routed experts over edp; padded to a multiple of the group, as ``zero.flat`` pad
                quantized all-to-alls (inside the node, then across); once per step
     ZeRO-1-2   the updated weights' all-gather after the step
     all        the gradient norm's all-reduce over dp, and over pp under a pipeline: one fp32 and
-               one per finiteness flag the caller adds (the trainer's: the loss, and every MoE
-               layer's aux and z losses, ``experiments.training.nonfinite``)
+               one per finiteness flag or extra sum the caller adds (the trainer's: the loss,
+               every MoE layer's aux and z losses, ``experiments.training.nonfinite``, and the
+               preemption flag)
 
 Not counted here, as the engine does not count them: the MoE layer's token All-to-All and the
 pipeline's point-to-point sends. A layer that shares another's weights (tied embeddings) is the
@@ -79,9 +80,10 @@ def comm_bytes(rec: LayoutRecord, costs: ModelCosts, node_size: int, flags: int 
     """``{"intra": bytes, "inter": bytes}`` one rank sends per optimizer step, averaged over the
     world as the trainer logs them (the dp ranks of a pipeline stage send alike; the stages hold
     different layers): an integer where the mean is one (see the module docstring). ``flags``:
-    the finiteness flags the step's norm all-reduce carries (None: the trainer's)."""
+    the values the step's norm all-reduce carries beside the norm (None: the trainer's, its
+    finiteness flags and its preemption flag)."""
     if flags is None:
-        flags = 1 + 2 * sum(1 for b in costs.blocks if b.is_moe)
+        flags = 1 + 2 * sum(1 for b in costs.blocks if b.is_moe) + 1
     if not isinstance(node_size, int) or isinstance(node_size, bool) or node_size < 1:
         raise ValueError(f"node_size={node_size!r} is invalid: expected the ranks per node, a positive integer")
     c_w = 2 if rec.mixed_precision == "bf16" else 4
