@@ -244,6 +244,7 @@ def model_costs(
             ops=1,
             act_bytes=8,  # the token ids
             act_bytes_checkpointed=8,
+            checkpointed=False,
             transient_bytes=c * D,
             boundary_bytes=c * D,
         )
@@ -390,6 +391,7 @@ def model_costs(
             # the norm, lm_head's input, the loss's fp32 log-probabilities
             act_bytes=_norm_saved(D, c) + c * D + 4 * V,
             act_bytes_checkpointed=_norm_saved(D, c) + c * D + 4 * V,  # blocks only are checkpointed
+            checkpointed=False,
             wgrad_bytes=c * D + 4 * V,
             transient_bytes=4 * V + c * V,  # the logits' gradient, fp32 and in the compute dtype
             boundary_bytes=0.0,

@@ -6,10 +6,11 @@ bare forward and backward on ``model=small`` and shapes around it against the pl
 (s) the zero-bubble schedules' split backward against a whole one; (h) a pipeline's hand-over
 between two computing ranks against the planner's rule for it; (m) (a)'s peak memory alone, every
 layout once for three steps (memory does not move with the machine's speed: minutes, not half an
-hour).
+hour); (v) the machine's own variation: the same step timed back to back for a minute on every
+core, and how far a run of (a)'s length would land from the typical step with no model involved.
 
-    python -m experiments.bench.plan [--part a|b|ab|r|s|h|m] [--steps 8] [--rounds 3] [--quick] [--calibrate]
-                                     [--profile cpu_2core] [--out results.json]
+    python -m experiments.bench.plan [--part a|b|ab|r|s|h|m|v] [--steps 8] [--rounds 3] [--quick] [--calibrate]
+                                     [--profile cpu_2core] [--seconds 60] [--alone] [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
 ``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a
@@ -148,13 +149,12 @@ def _rank_fn(rank, world, overrides, run_dir):
     return seen["memory"]["device_total"], summary["memory"]["measured_peak_bytes"]
 
 
-def _probe_worker(conn, batch: int, seq: int) -> None:
-    """One core's share of ``SpeedProbe``: model=small's forward and backward on ``batch`` x ``seq``
-    tokens (one thread), timed on request (the median of the steps asked for, after two)."""
+def _small_step(batch: int, seq: int):
+    """model=small's forward and backward on ``batch`` x ``seq`` tokens, on one thread, as a call
+    (what ``SpeedProbe`` and ``part_v`` time)."""
     import torch
     import torch.nn.functional as nnf
 
-    from experiments.calibrate import _times
     from moe.model import Transformer
 
     torch.set_num_threads(1)
@@ -166,6 +166,15 @@ def _probe_worker(conn, batch: int, seq: int) -> None:
     def step():
         nnf.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
 
+    return step
+
+
+def _probe_worker(conn, batch: int, seq: int) -> None:
+    """One core's share of ``SpeedProbe``: model=small's forward and backward on ``batch`` x ``seq``
+    tokens (one thread), timed on request (the median of the steps asked for, after two)."""
+    from experiments.calibrate import _times
+
+    step = _small_step(batch, seq)
     step()
     while (steps := conn.recv()) is not None:
         conn.send(statistics.median(_times(step, steps)))
@@ -477,6 +486,10 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
         speed_factors=[round(r["speed_factor"], 3) for row in rows for r in row["runs"]],
         calibrations=calibrations,
         repeat_spread_pct=float(np.mean(spread) * 100),
+        # how much one run's own steps move (std / mean of its timed steps), over every run
+        within_run_spread_pct=float(
+            np.mean([np.std(r["step_times"]) / np.mean(r["step_times"]) for row in rows for r in row["runs"]]) * 100
+        ),
         model_states_max_rel_err=float(np.max(np.abs(pm - mm) / mm)),
         peak_mean_abs_err_pct=float(np.mean(np.abs(pk - mk) / mk) * 100),
         peak_max_abs_err_pct=float(np.max(np.abs(pk - mk) / mk) * 100),
@@ -494,12 +507,112 @@ def part_a(steps: int, quick: bool, rounds: int = 3, calibrate: bool = False, la
         + f"; at the machine's speed of each run (SpeedProbe): {summary['step_mae_pct_at_speed']:.1f}%, "
         f"rho {summary['step_spearman_at_speed']:.2f} (factors {min(summary['speed_factors']):.2f}-"
         f"{max(summary['speed_factors']):.2f})" + f"; a layout's runs spread "
-        f"{summary['repeat_spread_pct']:.0f}% (std / mean) on this shared machine; model-state bytes within "
+        f"{summary['repeat_spread_pct']:.0f}% (std / mean) on this shared machine, a run's own steps "
+        f"{summary['within_run_spread_pct']:.0f}%; model-state bytes within "
         f"{summary['model_states_max_rel_err']:.2%} of measured; peak memory (the busiest rank's) off by "
         f"{summary['peak_mean_abs_err_pct']:.1f}% on average, {summary['peak_max_abs_err_pct']:.1f}% at most, "
         f"{summary['peak_within_5pct']} of {len(rows)} within 5%"
     )
     return dict(rows=rows, summary=summary)
+
+
+# ----- (v) the machine's own variation --------------------------------------------------------------
+
+
+def _trace_worker(conn, seconds: float, batch: int, seq: int) -> None:
+    """One core's share of ``part_v``: model=small's forward and backward on ``batch`` x ``seq``
+    tokens (one thread) back to back for ``seconds`` after the start signal, each step's start
+    (seconds since the start) and duration sent back."""
+    step = _small_step(batch, seq)
+    for _ in range(3):  # warm: the kernel's pool, the autograd engine
+        step()
+    conn.send("ready")
+    conn.recv()
+    trace, t0 = [], time.perf_counter()
+    while (start := time.perf_counter()) - t0 < seconds:
+        step()
+        trace.append((start - t0, time.perf_counter() - start))
+    conn.send(trace)
+
+
+def window_medians(trace: list, width: float) -> list[float]:
+    """The median step of each ``width``-second window of ``trace`` ((start, seconds) per step, in
+    order), by the step's start; windows without a step left out."""
+    windows: dict[int, list[float]] = {}
+    for start, seconds in trace:
+        windows.setdefault(int(start // width), []).append(seconds)
+    return [statistics.median(v) for _, v in sorted(windows.items())]
+
+
+def block_medians(trace: list, steps: int) -> list[float]:
+    """The median of each run of ``steps`` consecutive steps of ``trace`` (the last, shorter one left
+    out): what a run timed over that many steps would have measured at each point of the trace."""
+    times = [seconds for _, seconds in trace]
+    return [statistics.median(times[i : i + steps]) for i in range(0, len(times) - steps + 1, steps)]
+
+
+def _spread(values: list[float]) -> dict:
+    mean = statistics.fmean(values)
+    return dict(
+        n=len(values),
+        min=min(values),
+        median=statistics.median(values),
+        max=max(values),
+        std_over_mean=statistics.pstdev(values) / mean if len(values) > 1 else 0.0,
+        mean_abs_dev_from_median=statistics.fmean(abs(v / statistics.median(values) - 1) for v in values),
+    )
+
+
+def part_v(seconds: float = 60.0, busy: bool = True, run_steps=(6, 14), batch: int = 8, seq: int = 128) -> dict:
+    """How much the same work's time moves on this machine, whatever a model predicts: one process
+    a core (``busy``; else one process, the other cores idle) runs model=small's forward and
+    backward on one rank's micro-batch of the 2-rank layouts back to back for ``seconds``, every
+    step timed. Reported per process: the steps' spread, the medians of 1- and 5-second windows,
+    and the medians of consecutive blocks of ``run_steps`` steps (the steps (a) times in a run of
+    8 and of 16 steps): their mean absolute deviation from their median is the error a perfect
+    prediction would show against one run, the floor under (a)'s step-time error."""
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("spawn")
+    workers = (os.cpu_count() or 1) if busy else 1
+    conns, procs = [], []
+    for _ in range(workers):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_trace_worker, args=(there, seconds, batch, seq), daemon=True)
+        proc.start()
+        conns.append(here)
+        procs.append(proc)
+    for c in conns:
+        c.recv()  # every worker warm
+    for c in conns:  # then all start at once
+        c.send("go")
+    traces = [c.recv() for c in conns]
+    for proc in procs:
+        proc.join(timeout=30)
+    out = []
+    for w, trace in enumerate(traces):
+        row = dict(
+            worker=w,
+            steps=_spread([s for _, s in trace]),
+            windows_1s=_spread(window_medians(trace, 1.0)),
+            windows_5s=_spread(window_medians(trace, 5.0)),
+            runs={n: _spread(block_medians(trace, n)) for n in run_steps},
+            trace=trace,
+        )
+        out.append(row)
+        runs = "; ".join(
+            f"runs of {n} steps: {r['min'] * 1e3:.0f}-{r['max'] * 1e3:.0f} ms, "
+            f"{r['mean_abs_dev_from_median']:.1%} from their median on average"
+            for n, r in row["runs"].items()
+        )
+        print(
+            f"| {w} | {len(trace)} | {row['steps']['median'] * 1e3:.1f} "
+            f"| {row['windows_1s']['min'] * 1e3:.0f}-{row['windows_1s']['max'] * 1e3:.0f} "
+            f"| {row['windows_5s']['min'] * 1e3:.0f}-{row['windows_5s']['max'] * 1e3:.0f} | {runs} |",
+            flush=True,
+        )
+    return dict(workers=out, seconds=seconds, busy=busy, batch=batch, seq=seq)
 
 
 # ----- (r) one rank's compute --------------------------------------------------------------------
@@ -1072,7 +1185,7 @@ def part_b(skew: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h", "m"])
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h", "m", "v"])
     ap.add_argument("--profile", default="cpu_2core", help="(r, h): the profile predicted on")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
@@ -1087,6 +1200,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="(a): calibrate this machine before each round and predict the round on that profile",
     )
+    ap.add_argument("--seconds", type=float, default=60.0, help="(v): how long each process steps")
+    ap.add_argument("--alone", action="store_true", help="(v): one process, the other cores idle")
     ap.add_argument("--skew", type=float, default=1.5, help="(b): dropless experts' worst rows over the mean")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -1119,6 +1234,12 @@ def main(argv=None) -> int:
             "|---|---|---|---|---|"
         )
         results["m"] = part_m()
+    if a.part == "v":
+        print(
+            "| process | steps | median step ms | 1 s windows' medians, ms | 5 s windows' medians, ms "
+            "| a run's median step |\n|---|---|---|---|---|---|"
+        )
+        results["v"] = part_v(a.seconds, busy=not a.alone)
     if a.part == "r":
         print("| shape (sequences x tokens) | measured ms | predicted ms | error |\n|---|---|---|---|")
         results["r"] = part_r(a.profile)

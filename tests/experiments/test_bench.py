@@ -223,3 +223,33 @@ def test_the_published_layout_is_also_ranked_among_its_own_toolkits_schedules():
     # a 1F1B layout ranks at least as high among its own kind as among all
     rec, p = next((r, q) for r, q in ranked if r.pp_schedule == "1f1b")
     assert _position(rec, p, kept) <= _position(rec, p, ranked)
+
+
+def test_the_machines_variation_is_read_in_windows_and_in_runs_of_steps():
+    """(v): a trace of (start, seconds) steps read as each window's median step (a window no step
+    starts in left out) and as the median step of each run of n consecutive steps (a shorter last
+    run left out); the spread of those as a run's distance from their median."""
+    from experiments.bench.plan import _spread, block_medians, window_medians
+
+    trace = [(0.0, 0.1), (0.3, 0.3), (0.6, 0.2), (1.2, 0.5), (1.7, 0.4), (3.1, 0.9)]  # none starts in [2, 3)
+    assert window_medians(trace, 1.0) == pytest.approx([0.2, 0.45, 0.9])
+    assert window_medians(trace, 5.0) == pytest.approx([0.35])
+    assert block_medians(trace, 2) == pytest.approx([0.2, 0.35, 0.65])
+    assert block_medians(trace, 4) == pytest.approx([0.25])  # steps 5 and 6 make no run of 4
+    assert block_medians(trace, 7) == []
+    s = _spread([1.0, 2.0, 4.0])
+    assert (s["n"], s["min"], s["median"], s["max"]) == (3, 1.0, 2.0, 4.0)
+    assert s["mean_abs_dev_from_median"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert s["std_over_mean"] == pytest.approx(torch.tensor([1.0, 2.0, 4.0]).std(unbiased=False).item() / (7 / 3))
+
+
+@pytest.mark.distributed  # a process a core
+def test_the_machines_variation_traces_every_core():
+    from experiments.bench.plan import part_v
+
+    out = part_v(seconds=0.5, busy=False, run_steps=(2,), batch=2, seq=16)
+    (w,) = out["workers"]  # alone: one process
+    starts = [start for start, _ in w["trace"]]
+    assert len(starts) >= 2 and starts == sorted(starts) and starts[0] >= 0 and all(s < 0.5 for s in starts)
+    assert all(seconds > 0 for _, seconds in w["trace"]) and w["steps"]["n"] == len(starts)
+    assert w["runs"][2]["n"] == len(starts) // 2

@@ -445,6 +445,28 @@ def test_checkpointing_saves_the_block_input_and_bf16_halves_it():
     assert moe_block.is_moe and moe_block.top_k == 2 and moe_block.row_bytes == 4 * D
 
 
+@pytest.mark.parametrize("name", ["mha, moe every other", "gqa, bias, head norm, tied"])
+def test_the_layers_checkpointed_are_the_ones_the_models_backward_runs_again(name):
+    """``BlockCost.checkpointed``: the layers whose forward a checkpointed model runs a second time
+    in its backward, counted by hooks on the model's own pipeline layers (the embedding, each
+    block, the head's product): the blocks twice, the ends once."""
+    cfg = dataclasses.replace(CONFIGS[name], checkpoint_activations=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg).train()
+    layers = [model.embed, *model.blocks, model.lm_head]  # the head's layer: the final norm, then lm_head
+    calls = [0] * len(layers)
+    for i, mod in enumerate(layers):
+        # a pre-hook: the recomputation stops as soon as it has what the backward needs (torch's
+        # early stop), before a forward hook would run
+        mod.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    x = torch.randint(0, V, (2, 16))
+    nnf.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    costs = model_costs(cfg, 16)
+    assert len(costs.blocks) == len(layers)
+    assert calls == [2 if b.checkpointed else 1 for b in costs.blocks]
+    assert calls.count(1) == 2 and calls.count(2) == cfg.n_layers
+
+
 def test_bad_arguments_name_the_value():
     cfg = CONFIGS["mha, moe every other"]
     with pytest.raises(ValueError, match=r"act_dtype='fp16' is invalid"):

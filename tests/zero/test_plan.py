@@ -425,9 +425,10 @@ def test_predictions_move_the_right_way(setting):
 
 
 def test_a_recomputed_forward_runs_its_exchanges_again_but_not_the_statistics(setting):
-    """Activation checkpointing adds each layer's forward compute and its MoE exchanges to the
+    """Activation checkpointing adds each block's forward compute and its MoE exchanges to the
     backward, but not the statistics' all-reduce: the recomputation takes the forward's back
-    (``routing_kernels.runtime.replayed``, tests/moe/test_replay.py)."""
+    (``routing_kernels.runtime.replayed``, tests/moe/test_replay.py). The embedding and the head
+    are not checkpointed (tests/moe/test_costs.py): nothing of theirs runs again."""
     from zero.plan.terms import _Costing
 
     costs, profile = setting.costs, _profile()
@@ -440,8 +441,16 @@ def test_a_recomputed_forward_runs_its_exchanges_again_but_not_the_statistics(se
     stats = [cst.coll("all_reduce", b.stats_bytes, cst.groups.dp) if b.is_moe else 0.0 for b in costs.blocks]
     assert sum(stats) > 0 and any(m["R"] > 0 for m in moe)
     assert [m["R"] for m in moe] == pytest.approx([m["F"] - x for m, x in zip(moe, stats)], rel=1e-12)
-    extra = sum(c["F"] + m["F"] - x for c, m, x in zip(comp, moe, stats))
+    ends = [c["F"] for b, c in zip(costs.blocks, comp) if not b.checkpointed]
+    assert len(ends) == 2 and min(ends) > 0  # the embedding's and the head's forwards, not run again
+    extra = sum(c["F"] + m["F"] - x for b, c, m, x in zip(costs.blocks, comp, moe, stats) if b.checkpointed)
     assert again.time_parts["backward"] - plain.time_parts["backward"] == pytest.approx(extra, rel=1e-9)
+    # a pipeline's cut by cost charges the same: the ends' layers as without checkpointing
+    from zero.plan.split import layer_seconds
+
+    with_ckpt, without = layer_seconds(ck, costs, profile), layer_seconds(r, costs, profile)
+    for b, c, m, x, y, z in zip(costs.blocks, comp, moe, stats, with_ckpt, without):
+        assert y - z == pytest.approx(c["F"] + m["F"] - x if b.checkpointed else 0.0, abs=1e-15), b.name
     assert again.time_parts["moe_comm"] - plain.time_parts["moe_comm"] == pytest.approx(
         sum(m["F"] - x for m, x in zip(moe, stats)), rel=1e-9
     )

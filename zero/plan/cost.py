@@ -168,12 +168,15 @@ def predict(
     comp, moe, gath, red, gath2 = terms.comp, terms.moe, terms.gath, terms.red, terms.gath2
     gath_wait, gath2_wait, gath_copy, gath2_copy = terms.gath_wait, terms.gath2_wait, terms.gath_copy, terms.gath2_copy
 
+    def again(j):  # layer j runs its forward again in its backward (a checkpointed block)
+        return ckpt and blocks[j].checkpointed
+
     def layer_f(j):
         return comp[j]["F"] + moe[j]["F"]
 
     def layer_i(j):
         # the recomputation: the forward's compute and its exchanges but the statistics' all-reduce
-        return comp[j]["I"] + moe[j]["I"] + (comp[j]["F"] + moe[j]["R"] if ckpt else 0.0)
+        return comp[j]["I"] + moe[j]["I"] + (comp[j]["F"] + moe[j]["R"] if again(j) else 0.0)
 
     def layer_w(j):
         return comp[j]["W"]
@@ -191,7 +194,7 @@ def predict(
 
     def keep(j):
         b = blocks[j]
-        return 0.0 if ckpt else min(b.wgrad_bytes, b.act_bytes) * T
+        return 0.0 if again(j) else min(b.wgrad_bytes, b.act_bytes) * T
 
     # ----- memory: each pipeline rank --------------------------------------------------------
     ranks = range(rec.pp)
@@ -280,6 +283,8 @@ def predict(
                 + cst.saved_bytes(blocks[j]) * T
                 + _extra_rows_ckpt(cst, blocks[j])
                 - cst.pooled(blocks[j], saved_only=True)
+                if again(j)
+                else w
                 for w, j in zip(work, layers)
             ]
         workspace = max(work, default=0.0)

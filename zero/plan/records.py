@@ -46,6 +46,9 @@ class BlockCost:
     ops: int = 0  # forward operators launched (the backward launches about twice as many)
     act_bytes: float = 0.0  # saved for backward
     act_bytes_checkpointed: float = 0.0  # saved under activation checkpointing (the block's input)
+    # under activation checkpointing, run again in its backward (the model checkpoints its blocks;
+    # the embedding and the head run once, and save what they always save)
+    checkpointed: bool = True
     wgrad_bytes: float = 0.0  # of act_bytes: what the weight pass still needs after the input pass
     transient_bytes: float = 0.0  # the backward's working memory beyond what is saved
     boundary_bytes: float = 0.0  # handed to the next layer (a pipeline's point-to-point)

@@ -48,9 +48,10 @@ def layer_seconds(
     ``predict`` sums into a stage's durations."""
     cst = _Costing(rec, costs, profile, skew, time_skew)
     comp, moe, *_ = _layer_terms(cst)
-    again = 1.0 if rec.checkpoint_activations else 0.0
-    # the recomputed forward: its compute and exchanges but the statistics' all-reduce (replayed)
-    return [c["F"] + c["I"] + c["W"] + m["F"] + m["I"] + again * (c["F"] + m["R"]) for c, m in zip(comp, moe)]
+    # a checkpointed block's recomputed forward: its compute and exchanges but the statistics'
+    # all-reduce (replayed); the embedding and the head run once
+    again = [float(rec.checkpoint_activations and b.checkpointed) for b in costs.blocks]
+    return [c["F"] + c["I"] + c["W"] + m["F"] + m["I"] + a * (c["F"] + m["R"]) for c, m, a in zip(comp, moe, again)]
 
 
 def score(sizes, seconds: list[float], owner: list[int]) -> tuple[float, float]:
