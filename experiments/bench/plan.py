@@ -623,6 +623,8 @@ ONE_RANK = [
     ("model=small", {}, 16, 128),
     ("model=small", {}, 8, 128),
     ("model=small", {}, 4, 128),
+    ("model=small, checkpointed", dict(checkpoint=True), 16, 128),
+    ("model=small, checkpointed", dict(checkpoint=True), 8, 128),
     (
         "width 96, 6 heads, 2 blocks, 4 experts of 192",
         dict(d_model=96, n_heads=6, d_ff=192, experts=4, n_layers=2),
@@ -674,7 +676,7 @@ def part_m(layouts=None) -> dict:
 
 
 def _one_rank_config(fields: dict) -> TransformerConfig:
-    f = dict(d_model=64, n_layers=4, n_heads=4, d_ff=256, experts=8) | fields
+    f = dict(d_model=64, n_layers=4, n_heads=4, d_ff=256, experts=8, checkpoint=False) | fields
     m = MoEConfig(d_model=f["d_model"], d_ff=f["d_ff"], num_experts=f["experts"], top_k=2)
     return TransformerConfig(
         vocab_size=256,
@@ -684,6 +686,7 @@ def _one_rank_config(fields: dict) -> TransformerConfig:
         d_ff=f["d_ff"],
         max_seq_len=128,
         moe=m,
+        checkpoint_activations=f["checkpoint"],
     )
 
 
@@ -706,6 +709,8 @@ def part_r(profile_name: str, steps: int = 9) -> dict:
         costs = model_costs(cfg, L, experts=profile.expert_kernel)
         cst = _Costing(zplan.LayoutRecord(world=1, batch_size=B), costs, profile, None)
         predicted = sum(sum(cst.compute(b).values()) for b in costs.blocks)
+        if cfg.checkpoint_activations:  # a checkpointed block's forward runs again in its backward
+            predicted += sum(cst.compute(b)["F"] for b in costs.blocks if b.checkpointed)
         torch.manual_seed(0)
         model = Transformer(cfg)
         x = torch.randint(0, cfg.vocab_size, (B, L))
