@@ -552,14 +552,14 @@ def block_medians(trace: list, steps: int) -> list[float]:
 
 
 def _spread(values: list[float]) -> dict:
-    mean = statistics.fmean(values)
+    mean, median = statistics.fmean(values), statistics.median(values)
     return dict(
         n=len(values),
         min=min(values),
-        median=statistics.median(values),
+        median=median,
         max=max(values),
         std_over_mean=statistics.pstdev(values) / mean if len(values) > 1 else 0.0,
-        mean_abs_dev_from_median=statistics.fmean(abs(v / statistics.median(values) - 1) for v in values),
+        mean_abs_dev_from_median=statistics.fmean(abs(v / median - 1) for v in values),
     )
 
 
@@ -707,10 +707,10 @@ def part_r(profile_name: str, steps: int = 9) -> dict:
     for label, fields, B, L in ONE_RANK:
         cfg = _one_rank_config(fields)
         costs = model_costs(cfg, L, experts=profile.expert_kernel)
-        cst = _Costing(zplan.LayoutRecord(world=1, batch_size=B), costs, profile, None)
-        predicted = sum(sum(cst.compute(b).values()) for b in costs.blocks)
-        if cfg.checkpoint_activations:  # a checkpointed block's forward runs again in its backward
-            predicted += sum(cst.compute(b)["F"] for b in costs.blocks if b.checkpointed)
+        rec = zplan.LayoutRecord(world=1, batch_size=B, checkpoint_activations=cfg.checkpoint_activations)
+        cst = _Costing(rec, costs, profile, None)
+        # a checkpointed block's forward runs again in its backward
+        predicted = sum(sum(cst.compute(b).values()) + cst.recomputes(b) * cst.compute(b)["F"] for b in costs.blocks)
         torch.manual_seed(0)
         model = Transformer(cfg)
         x = torch.randint(0, cfg.vocab_size, (B, L))

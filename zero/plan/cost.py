@@ -168,8 +168,8 @@ def predict(
     comp, moe, gath, red, gath2 = terms.comp, terms.moe, terms.gath, terms.red, terms.gath2
     gath_wait, gath2_wait, gath_copy, gath2_copy = terms.gath_wait, terms.gath2_wait, terms.gath_copy, terms.gath2_copy
 
-    def again(j):  # layer j runs its forward again in its backward (a checkpointed block)
-        return ckpt and blocks[j].checkpointed
+    def again(j):
+        return cst.recomputes(blocks[j])
 
     def layer_f(j):
         return comp[j]["F"] + moe[j]["F"]
@@ -400,9 +400,7 @@ def predict(
         if plan.overlap and cst.overlap:
             comm = {
                 "F": [sum(moe[j]["F"] for j in range(*stages[s])) for s in range(n_st)],
-                "B": [
-                    sum(moe[j]["I"] + (moe[j]["R"] if ckpt else 0.0) for j in range(*stages[s])) for s in range(n_st)
-                ],
+                "B": [sum(moe[j]["I"] + moe[j]["R"] * again(j) for j in range(*stages[s])) for s in range(n_st)],
             }
         plain = simulate_plan(plan, stage_rank, dur, latency, None, comm)
         first_round = plain
@@ -449,7 +447,7 @@ def predict(
             for layers in rank_layers
         ),
         # the MoE layers' synchronous exchanges, the recomputed forwards' under checkpointing too
-        moe_comm=max(sum(moe[j]["F"] + moe[j]["R"] * ckpt + moe[j]["I"] for j in layers) for layers in rank_layers)
+        moe_comm=max(sum(moe[j]["F"] + moe[j]["R"] * again(j) + moe[j]["I"] for j in layers) for layers in rank_layers)
         * passes,
     )
     per_node = min(rec.world, profile.node_size)

@@ -50,7 +50,7 @@ def layer_seconds(
     comp, moe, *_ = _layer_terms(cst)
     # a checkpointed block's recomputed forward: its compute and exchanges but the statistics'
     # all-reduce (replayed); the embedding and the head run once
-    again = [float(rec.checkpoint_activations and b.checkpointed) for b in costs.blocks]
+    again = [float(cst.recomputes(b)) for b in costs.blocks]
     return [c["F"] + c["I"] + c["W"] + m["F"] + m["I"] + a * (c["F"] + m["R"]) for c, m, a in zip(comp, moe, again)]
 
 

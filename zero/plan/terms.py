@@ -147,6 +147,11 @@ class _Costing:
         return self.profile.link(tier, "p2p").time("p2p", nbytes, 2)
 
     # ----- one layer -----------------------------------------------------------------------------
+    def recomputes(self, b: BlockCost) -> bool:
+        """Whether layer ``b`` runs its forward again in its backward: a checkpointed block under
+        activation checkpointing (the embedding and the head run once)."""
+        return self.rec.checkpoint_activations and b.checkpointed
+
     def rows(self, b: BlockCost) -> tuple[float, float]:
         """(mean, worst case) routed rows this rank's experts take in one micro-batch."""
         rec, T = self.rec, self.tokens
