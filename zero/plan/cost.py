@@ -26,8 +26,10 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
                     (from the schedule's own order: forwards whose backward has not run; 1 without
                     a pipeline), at the mean expert load; under a pipeline also torch's stage
                     buffers (one input and one output gradient per micro-batch, each live
-                    forward's output: the last stage's logits) and the kernel pool's saved
-                    hiddens at the most micro-batches alive at once on their stage
+                    forward's output: the last stage's logits); the kernel pool's saved hiddens
+                    do not drain with the rest in the backward (the pool keeps them): one
+                    micro-batch's without a pipeline, under one the most micro-batches alive
+                    at once on their stage
     expert_rows     the routed rows beyond the mean load, at the worst case: under a capacity
                     E_local x capacity bounds them exactly; dropless takes ``skew`` (default the
                     worst case: every token of the ep group routed to this rank's experts)
@@ -289,7 +291,10 @@ def predict(
             ]
         workspace = max(work, default=0.0)
         if plan is None:
-            acts = [saved(j) for j in layers]
+            # the saved hiddens the CPU expert kernel's pool holds stay allocated when the backward
+            # has read them (the pool keeps its buffers from step to step): they do not drain
+            hidden = [0.0 if ckpt else cst.pooled_saved(blocks[j]) for j in layers]
+            acts = [saved(j) - h for j, h in zip(layers, hidden)]
             xs = [extra_rows(j) for j in layers]
             # the (last micro-batch's) backward: activations drain layer by layer as gradient
             # buffers fill (with accumulation the earlier micro-batches' are all there) and the
@@ -301,7 +306,7 @@ def predict(
                 v = sum(acts[: k + 1]) + sum(xs[: k + 1]) + grads + work[k]
                 if v > best:
                     best, arg = v, k
-            parts["activations"] = sum(acts[: arg + 1])
+            parts["activations"] = sum(acts[: arg + 1]) + sum(hidden)
             parts["expert_rows"] = sum(xs[: arg + 1])
             parts["grad_buffers"] = sum(grad_full[arg:] if rec.grad_accum == 1 else grad_full)
             parts["grad_buffers"] += sum(in_flight[arg + 1 :])
