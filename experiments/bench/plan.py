@@ -6,11 +6,13 @@ bare forward and backward on ``model=small`` and shapes around it against the pl
 (s) the zero-bubble schedules' split backward against a whole one; (h) a pipeline's hand-over
 between two computing ranks against the planner's rule for it; (m) (a)'s peak memory alone, every
 layout once for three steps (memory does not move with the machine's speed: minutes, not half an
-hour); (v) the machine's own variation: the same step timed back to back for a minute on every
+hour; ``--sample N``: N layouts drawn at random from everything the planner lists on 2 and 4
+ranks instead); (v) the machine's own variation: the same step timed back to back for a minute on every
 core, and how far a run of (a)'s length would land from the typical step with no model involved.
 
     python -m experiments.bench.plan [--part a|b|ab|r|s|h|m|v] [--steps 8] [--rounds 3] [--quick] [--calibrate]
-                                     [--profile cpu_2core] [--seconds 60] [--alone] [--out results.json]
+                                     [--profile cpu_2core] [--seconds 60] [--alone] [--sample N] [--seed 0]
+                                     [--out results.json]
 
 (a) ``model=small`` (the trainer's default model: 4 MoE blocks of 8 experts, d_model 64) with
 ``train.batch_size=16 train.seq_len=128``, on 2 and 4 gloo ranks of this machine, one layout at a
@@ -640,11 +642,33 @@ ONE_RANK = [
 ]
 
 
+def sampled_layouts(n: int, seed: int = 0, worlds=(2, 4)) -> list[tuple[int, dict]]:
+    """``n`` layouts of (a)'s model and batch drawn at random (``seed``) from everything the planner
+    enumerates on ``worlds`` ranks (4,116 on 2 and 4), as ``(world, fields)`` like ``LAYOUTS``:
+    the hand-picked layouts test what their picker thought of; a draw tests the rest."""
+    import random
+
+    from experiments.plan import _model_config, compose
+
+    costs = model_costs(_model_config(compose(BASE)), 128)
+    pool = [rec for w in worlds for rec in zplan.enumerate(costs, world=w, batch_size=16)]
+    if not isinstance(n, int) or not 1 <= n <= len(pool):
+        raise ValueError(
+            f"--sample {n!r} is invalid: expected an integer in [1, {len(pool)}] (the layouts on {worlds} ranks)"
+        )
+    drawn = random.Random(seed).sample(pool, n)
+    return [
+        (rec.world, {k: v for k, v in dataclasses.asdict(rec).items() if k not in ("world", "batch_size")})
+        for rec in drawn
+    ]
+
+
 def part_m(layouts=None) -> dict:
     """(a)'s peak memory alone: each layout once, three steps (the meter watches the build and the
     first two), the busiest rank's measured peak against the prediction at the routing of the
     steps watched (``_memory_at_routing``) on the shipped ``cpu_2core`` profile (memory takes no
-    rates). Prints a row a layout, then the mean and largest error and how many lie within 5%."""
+    rates). Prints a row a layout, then the mean and largest error and how many lie within 5%.
+    ``layouts``: ``(world, fields)`` pairs (default ``LAYOUTS``; ``--sample``: ``sampled_layouts``)."""
     from experiments.plan import _model_config, compose
     from tests.support.dist import run_distributed
 
@@ -1210,6 +1234,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--seconds", type=float, default=60.0, help="(v): how long each process steps")
     ap.add_argument("--alone", action="store_true", help="(v): one process, the other cores idle")
+    ap.add_argument(
+        "--sample",
+        type=int,
+        default=None,
+        help="(m): this many layouts drawn at random from all the planner lists on 2 and 4 ranks, not (a)'s",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="(m): the draw's seed")
     ap.add_argument("--skew", type=float, default=1.5, help="(b): dropless experts' worst rows over the mean")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -1241,7 +1272,7 @@ def main(argv=None) -> int:
             "| layout | memory skew | predicted peak (MB) | measured peak (MB; by rank) | error |\n"
             "|---|---|---|---|---|"
         )
-        results["m"] = part_m()
+        results["m"] = part_m(sampled_layouts(a.sample, a.seed) if a.sample is not None else None)
     if a.part == "v":
         print(
             "| process | steps | median step ms | 1 s windows' medians, ms | 5 s windows' medians, ms "

@@ -3,6 +3,8 @@ tests, but a broken one should not wait for the next person who wants a figure."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -253,3 +255,30 @@ def test_the_machines_variation_traces_every_core():
     assert len(starts) >= 2 and starts == sorted(starts) and starts[0] >= 0 and all(s < 0.5 for s in starts)
     assert all(seconds > 0 for _, seconds in w["trace"]) and w["steps"]["n"] == len(starts)
     assert w["runs"][2]["n"] == len(starts) // 2
+
+
+def test_the_memory_benchmarks_draw_is_of_the_planners_layouts():
+    """(m) --sample: distinct layouts of 2 and 4 ranks, each one the planner lists (and so one the
+    trainer accepts: tests/zero/test_plan.py), the same draw for the same seed and another for
+    another seed; a count outside what there is to draw is named."""
+    import zero.plan as zplan
+    from experiments.bench.plan import BASE, sampled_layouts
+    from experiments.plan import _model_config, compose
+    from moe.costs import model_costs
+
+    costs = model_costs(_model_config(compose(BASE)), 128)
+    listed = {w: set(zplan.enumerate(costs, world=w, batch_size=16)) for w in (2, 4)}
+    drawn = [zplan.LayoutRecord(world=w, batch_size=16, **f) for w, f in sampled_layouts(40, seed=3)]
+    assert len(set(drawn)) == 40 and all(rec in listed[rec.world] for rec in drawn)
+    assert {rec.world for rec in drawn} == {2, 4}
+    # every dimension the planner varies varies in a draw (a field the draw dropped would stay at
+    # its default, and the layout still be one the planner lists)
+    many = [zplan.LayoutRecord(world=w, batch_size=16, **f) for w, f in sampled_layouts(300, seed=3)]
+    for field in dataclasses.fields(zplan.LayoutRecord):
+        if len({getattr(rec, field.name) for w in (2, 4) for rec in listed[w]}) > 1:
+            assert len({getattr(rec, field.name) for rec in many}) > 1, field.name
+    assert sampled_layouts(40, seed=3) == sampled_layouts(40, seed=3) != sampled_layouts(40, seed=4)
+    total = len(listed[2]) + len(listed[4])
+    for bad in (0, total + 1):
+        with pytest.raises(ValueError, match=rf"--sample {bad} is invalid: expected an integer in \[1, {total}\]"):
+            sampled_layouts(bad)
