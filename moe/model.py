@@ -37,6 +37,7 @@ from .attention import Attention, LatentAttention, RMSNorm, document_mask
 from .experts import DenseFFN
 from .layer import MoELayer, moe_layers
 from .model_config import TransformerConfig
+from .recompute import checkpoint_once
 from .rope import apply_rotary, document_positions, rotary_tables
 
 __all__ = ["Transformer", "TransformerConfig", "Block", "RMSNorm", "apply_rotary", "rotary_tables"]
@@ -61,7 +62,14 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """``forward(idx_BL, doc_ids_BL=None) -> logits_BLV``. Auxiliary MoE losses need no handling by the caller: they
-    reach the backward pass through each ``MoELayer``."""
+    reach the backward pass through each ``MoELayer``.
+
+    ``recompute_once``: under ``checkpoint_activations``, checkpoint each block with
+    ``moe.recompute.checkpoint_once`` (one recomputation for every backward pass over the graph: a
+    split backward's input and weight passes) instead of ``torch.utils.checkpoint`` (one per pass).
+    ``zero.pipeline.Pipeline`` sets it on its chunks under a split-backward schedule."""
+
+    recompute_once = False
 
     def __init__(self, cfg: TransformerConfig, *, ep_group=None, dp_group=None, layout=None):
         super().__init__()
@@ -155,7 +163,12 @@ class Transformer(nn.Module):
             block = self.blocks[i]
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
                 # the recompute context tells a compiled MoE layer it is being recomputed
-                x_BLD = checkpoint(block, x_BLD, cos, sin, mask_B1LL, use_reentrant=False, context_fn=recompute_context)
+                if self.recompute_once:  # a split backward: one recomputation for all its passes
+                    x_BLD = checkpoint_once(block, x_BLD, cos, sin, mask_B1LL, context_fn=recompute_context)
+                else:
+                    x_BLD = checkpoint(
+                        block, x_BLD, cos, sin, mask_B1LL, use_reentrant=False, context_fn=recompute_context
+                    )
             else:
                 x_BLD = block(x_BLD, cos, sin, mask_B1LL)
         if hi == self.num_pipeline_layers:

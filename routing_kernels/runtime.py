@@ -167,8 +167,9 @@ class recomputation:
     """Marks a forward re-run during backward (activation checkpointing's recomputation), for code
     that ``torch.compile`` traces: there ``in_backward()`` cannot ask autograd and reads this mark
     instead (pass ``context_fn=recompute_context`` to ``torch.utils.checkpoint.checkpoint``).
-    Re-entrant: torch's checkpoint enters the same object for every recomputation of one forward,
-    and a split backward (a zero-bubble pipeline's input and weight passes) recomputes twice.
+    Re-entrant: torch's checkpoint enters the same object for every recomputation of one forward
+    (one per backward pass that unpacks its saved tensors; ``moe.recompute.checkpoint_once``, which
+    a split backward uses, recomputes once).
     ``replay``: the first forward's recorded collectives (``replayed``), taken back in the re-run."""
 
     def __init__(self, replay: _Replay | None = None):

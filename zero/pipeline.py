@@ -286,6 +286,13 @@ class Pipeline:
         self._reduce_after = True
         self._finished: set[int] = set()
         self._unscaled: dict[int, torch.Tensor] = {}  # id of a scaled loss -> the loss
+        if plan.splits_backward:
+            # torch's checkpoint recomputes once per graph task, and a split backward runs one for
+            # the input pass and one per parameter group for the weight pass: a chunk that offers
+            # it (moe's Transformer) recomputes once for all of them
+            for c in chunks:
+                if hasattr(c, "recompute_once"):
+                    c.recompute_once = True
         self.stages = [
             _EngineStage(self, c, s, plan.num_stages, self.device, group=layout.pp_group) for c, s in zip(chunks, mine)
         ]

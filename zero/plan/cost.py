@@ -195,8 +195,16 @@ def predict(
         return (worst - mean) * cst.saved_row_bytes(b)
 
     def keep(j):
+        # what a split backward's weight pass still needs after the input pass
         b = blocks[j]
         return 0.0 if again(j) else min(b.wgrad_bytes, b.act_bytes) * T
+
+    def recomputed_keep(j):
+        # a checkpointed block under a split backward: the input pass recomputes it once and all it
+        # saves stays for the weight pass (moe.recompute.checkpoint_once; the input pass retains the
+        # graph); the CPU expert kernel's pooled hiddens among it are held apart (recomputed_held)
+        b = blocks[j]
+        return cst.saved_bytes(b) * T - cst.pooled_saved(b) if again(j) else 0.0
 
     # ----- memory: each pipeline rank --------------------------------------------------------
     ranks = range(rec.pp)
@@ -227,11 +235,20 @@ def predict(
         # (a split backward's input pass frees none of the stage's saved tensors: the weight pass
         # reads them, from the pool or not)
         stage_keep = [
-            max(0.0, min(sum(keep(j) for j in range(*stages[s])) - hidden[s], stage_act[s])) for s in range(n_st)
+            max(0.0, min(sum(keep(j) for j in range(*stages[s])) - hidden[s], stage_act[s]))
+            + (sum(recomputed_keep(j) for j in range(*stages[s])) if plan.splits_backward else 0.0)
+            for s in range(n_st)
         ]
         stage_extra = [sum(extra_rows(j) for j in range(*stages[s])) for s in range(n_st)]
         live = live_plan(plan, stage_act, stage_keep, stage_extra)
         stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
+        if ckpt and plan.splits_backward:
+            # the recomputed blocks' pooled hiddens, held from the input pass to the weight pass: the
+            # pool keeps as many as were held at once (kernel_buffers has one set, idle between passes)
+            again_hidden = [
+                sum(cst.pooled_saved(blocks[j]) for j in range(*stages[s]) if again(j)) for s in range(n_st)
+            ]
+            stage_held = [h + max(0, live.stage_peak_kept[s] - 1) * again_hidden[s] for s, h in enumerate(stage_held)]
     per_rank = []
     for r in ranks:
         layers = rank_layers[r]
@@ -255,8 +272,12 @@ def predict(
             (blocks[j].params_dense * (rec.dp > 1) + blocks[j].params_expert / rec.ep * (rec.edp > 1)) * cst.c_w
             for j in layers
         ]
-        # stages 2-3: full-size local gradients beside the shards until the reductions are waited for
-        grad_full = full if rec.zero_stage >= 2 else [0.0] * len(layers)
+        # stages 2-3: full-size local gradients beside the shards until the reductions are waited for;
+        # a flat whose group is this rank alone too (ep = dp: the experts'; dp = 1: all): its shard
+        # is the whole buffer, the last step's, kept while this step's fills afresh (``zero.flat``:
+        # the shard takes the buffer over at the reduction), offloaded or not
+        own = [(blocks[j].params_dense + blocks[j].params_expert / rec.ep) * cst.c_w for j in layers]
+        grad_full = own if rec.zero_stage >= 2 else [0.0] * len(layers)
         if rec.zero_stage == 3:
             if rec.zero_hpz:  # the secondary partition: a 1/k slice of every block from its first forward on
                 parts["gathered_params"] += sum(_secondary(cst, blocks[j]) for j in layers)

@@ -105,6 +105,8 @@ class LiveActivations:
     peak_count: tuple[int, ...]  # per rank: the most (stage, micro-batch) forwards alive at once
     # per stage: the most of its micro-batches' forwards alive at once (whatever the rank's moment)
     stage_peak_count: tuple[int, ...] = ()
+    # per stage: the most of its micro-batches between their input and weight passes at once
+    stage_peak_kept: tuple[int, ...] = ()
 
 
 def live_activations(orders, act, keep, extra=None) -> LiveActivations:
@@ -114,6 +116,7 @@ def live_activations(orders, act, keep, extra=None) -> LiveActivations:
     extra = extra or [0.0] * len(act)
     peaks, extras, counts = [], [], []
     stage_alive, stage_most = [0] * len(act), [0] * len(act)
+    stage_kept, stage_most_kept = [0] * len(act), [0] * len(act)
     for groups in orders:
         live = x = 0.0
         best = (0.0, 0.0)
@@ -131,8 +134,11 @@ def live_activations(orders, act, keep, extra=None) -> LiveActivations:
                     x -= extra[s]
                     alive -= 1
                     stage_alive[s] -= 1
+                    stage_kept[s] += 1
+                    stage_most_kept[s] = max(stage_most_kept[s], stage_kept[s])
                 elif kind == "W":
                     live -= keep[s]
+                    stage_kept[s] -= 1
                 else:  # B
                     live -= act[s]
                     x -= extra[s]
@@ -144,7 +150,7 @@ def live_activations(orders, act, keep, extra=None) -> LiveActivations:
         peaks.append(best[0])
         extras.append(best[1])
         counts.append(most)
-    return LiveActivations(tuple(peaks), tuple(extras), tuple(counts), tuple(stage_most))
+    return LiveActivations(tuple(peaks), tuple(extras), tuple(counts), tuple(stage_most), tuple(stage_most_kept))
 
 
 def _deps(kind: str, s: int, mb: int, num_stages: int) -> list[tuple]:
