@@ -240,7 +240,16 @@ def predict(
             for s in range(n_st)
         ]
         stage_extra = [sum(extra_rows(j) for j in range(*stages[s])) for s in range(n_st)]
-        live = live_plan(plan, stage_act, stage_keep, stage_extra)
+        # ZeRO-2/3's full-size gradient buffers (grad_full below) appear at a rank's first backward:
+        # a peak before it (GPipe's, after all the forwards) is without them; with accumulation
+        # the later rounds' forwards run with them
+        rank_grads = [
+            sum((blocks[j].params_dense + blocks[j].params_expert / rec.ep) * cst.c_w for j in rank_layers[r])
+            if rec.zero_stage >= 2
+            else 0.0
+            for r in ranks
+        ]
+        live = live_plan(plan, stage_act, stage_keep, stage_extra, rank_grads if rec.grad_accum == 1 else None)
         stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
         if ckpt and plan.splits_backward:
             # the recomputed blocks' pooled hiddens, held from the input pass to the weight pass: the
@@ -336,7 +345,8 @@ def predict(
         else:
             held = sum(stage_held[s] for s in rank_stages[r])
             parts["activations"], parts["expert_rows"] = live.peak_bytes[r] + held, live.peak_extra[r]
-            parts["grad_buffers"] = sum(grad_full)  # under no_sync the whole step
+            # under no_sync the whole step (accumulation), else from the rank's first backward
+            parts["grad_buffers"] = live.peak_grads[r] if rec.grad_accum == 1 else sum(grad_full)
             count = live.peak_count[r]
         moe_layers = [blocks[j] for j in layers if blocks[j].is_moe]
         if rec.ep > 1 and moe_layers:

@@ -107,22 +107,29 @@ class LiveActivations:
     stage_peak_count: tuple[int, ...] = ()
     # per stage: the most of its micro-batches between their input and weight passes at once
     stage_peak_kept: tuple[int, ...] = ()
+    # per rank: of ``grads``, what was there at the peak (0 where it came before the first backward)
+    peak_grads: tuple[float, ...] = ()
 
 
-def live_activations(orders, act, keep, extra=None) -> LiveActivations:
+def live_activations(orders, act, keep, extra=None, grads=None) -> LiveActivations:
     """Walk each rank's order: F of stage s adds ``act[s]`` (and ``extra[s]``), I leaves ``keep[s]``
-    of it for the weight pass, W frees that, B frees it all. The peak is over the walk; the
-    schedule's timing does not change which forwards are alive, only the order does."""
+    of it for the weight pass, W frees that, B frees it all; the rank's first backward action (I,
+    W or B) adds ``grads[r]`` for the rest of the walk (the full-size gradient buffers ZeRO-2/3
+    fill from the first backward on). The peak is over the walk; the schedule's timing does not
+    change which forwards are alive, only the order does."""
     extra = extra or [0.0] * len(act)
-    peaks, extras, counts = [], [], []
+    grads = grads or [0.0] * len(orders)
+    peaks, extras, counts, at_peak = [], [], [], []
     stage_alive, stage_most = [0] * len(act), [0] * len(act)
     stage_kept, stage_most_kept = [0] * len(act), [0] * len(act)
-    for groups in orders:
-        live = x = 0.0
-        best = (0.0, 0.0)
+    for r, groups in enumerate(orders):
+        live = x = g = 0.0
+        best = (0.0, 0.0, 0.0)
         alive = most = 0  # forwards whose input-gradient pass has not run
         for group in groups:
             for kind, s, _ in group:
+                if kind != "F":
+                    g = grads[r]
                 if kind == "F":
                     live += act[s]
                     x += extra[s]
@@ -144,13 +151,16 @@ def live_activations(orders, act, keep, extra=None) -> LiveActivations:
                     x -= extra[s]
                     alive -= 1
                     stage_alive[s] -= 1
-                if live + x > best[0] + best[1]:
-                    best = (live, x)
+                if live + x + g > sum(best):
+                    best = (live, x, g)
                 most = max(most, alive)
         peaks.append(best[0])
         extras.append(best[1])
+        at_peak.append(best[2])
         counts.append(most)
-    return LiveActivations(tuple(peaks), tuple(extras), tuple(counts), tuple(stage_most), tuple(stage_most_kept))
+    return LiveActivations(
+        tuple(peaks), tuple(extras), tuple(counts), tuple(stage_most), tuple(stage_most_kept), tuple(at_peak)
+    )
 
 
 def _deps(kind: str, s: int, mb: int, num_stages: int) -> list[tuple]:
@@ -289,11 +299,12 @@ def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None, comm
 
 
 @functools.lru_cache(maxsize=4096)
-def _live_cached(plan_key, act, keep, extra) -> LiveActivations:
-    return live_activations(_orders(*plan_key), list(act), list(keep), list(extra))
+def _live_cached(plan_key, act, keep, extra, grads) -> LiveActivations:
+    return live_activations(_orders(*plan_key), list(act), list(keep), list(extra), list(grads))
 
 
-def live_plan(plan: PipelinePlan, act, keep, extra=None) -> LiveActivations:
+def live_plan(plan: PipelinePlan, act, keep, extra=None, grads=None) -> LiveActivations:
     """``live_activations`` over ``plan``'s own order, memoised."""
     key = (plan.schedule, plan.pp, plan.virtual, plan.microbatches)
-    return _live_cached(key, tuple(act), tuple(keep), tuple(extra or [0.0] * len(act)))
+    extra = tuple(extra or [0.0] * len(act))
+    return _live_cached(key, tuple(act), tuple(keep), extra, tuple(grads or [0.0] * plan.pp))
