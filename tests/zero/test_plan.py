@@ -1104,16 +1104,20 @@ def test_a_rank_alone_in_its_sharding_group_holds_two_full_gradients_in_a_backwa
 
 
 def test_the_gradient_buffers_join_the_walk_at_a_ranks_first_backward():
-    """ZeRO-2/3's full-size gradient buffers are filled from a rank's first backward on: GPipe's
-    peak after all the forwards is without them, unless what the first backward frees is less
-    than they take. They counted at every peak, and GPipe and single-micro-batch pipelines under
-    ZeRO-2/3 came out 5-8% high."""
+    """ZeRO-2/3's full-size gradient buffers are filled from a rank's first weight gradients on (a
+    whole backward, or a split backward's weight pass): GPipe's peak after all the forwards is
+    without them, unless what the first backward frees is less than they take. They counted at
+    every peak, and GPipe and single-micro-batch pipelines under ZeRO-2/3 came out 5-8% high."""
     orders = rank_orders(plan_pipeline(4, pp=2, pp_schedule="gpipe", pp_microbatches=4))
     small = live_activations(orders, [1.0, 1.0], [0.0, 0.0], grads=[0.5, 0.5])
     assert small.peak_bytes == (4.0, 4.0) and small.peak_grads == (0.0, 0.0)  # 4 before; 3 + 0.5 after
     large = live_activations(orders, [1.0, 1.0], [0.0, 0.0], grads=[2.0, 2.0])
     assert large.peak_bytes == (3.0, 3.0) and large.peak_grads == (2.0, 2.0)  # 3 + 2 after the first B
     assert live_activations(orders, [1.0, 1.0], [0.0, 0.0]).peak_grads == (0.0, 0.0)
+    # a split backward's input pass computes no weight gradient: they join at its weight pass
+    split = [[[("F", 0, 0)], [("I", 0, 0)], [("W", 0, 0)]]]
+    walk = live_activations(split, [1.0], [1.0], grads=[0.5])
+    assert (walk.peak_bytes, walk.peak_grads) == ((1.0,), (0.0,))
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved_zb", "1f1b"])

@@ -113,10 +113,10 @@ class LiveActivations:
 
 def live_activations(orders, act, keep, extra=None, grads=None) -> LiveActivations:
     """Walk each rank's order: F of stage s adds ``act[s]`` (and ``extra[s]``), I leaves ``keep[s]``
-    of it for the weight pass, W frees that, B frees it all; the rank's first backward action (I,
-    W or B) adds ``grads[r]`` for the rest of the walk (the full-size gradient buffers ZeRO-2/3
-    fill from the first backward on). The peak is over the walk; the schedule's timing does not
-    change which forwards are alive, only the order does."""
+    of it for the weight pass, W frees that, B frees it all; the rank's first action that computes
+    weight gradients (W or B; a split backward's input pass does not) adds ``grads[r]`` for the
+    rest of the walk (the full-size gradient buffers ZeRO-2/3 fill from then on). The peak is over
+    the walk; the schedule's timing does not change which forwards are alive, only the order does."""
     extra = extra or [0.0] * len(act)
     grads = grads or [0.0] * len(orders)
     peaks, extras, counts, at_peak = [], [], [], []
@@ -128,7 +128,7 @@ def live_activations(orders, act, keep, extra=None, grads=None) -> LiveActivatio
         alive = most = 0  # forwards whose input-gradient pass has not run
         for group in groups:
             for kind, s, _ in group:
-                if kind != "F":
+                if kind in "WB":  # the weights' gradients: a split backward's weight pass
                     g = grads[r]
                 if kind == "F":
                     live += act[s]
