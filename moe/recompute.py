@@ -6,10 +6,11 @@ graph task that unpacks its saved tensors. A plain backward is one graph task. A
 is many: ``torch.distributed.pipelining``'s zero-bubble schedules (``zbv``, ``interleaved_zb``,
 ``dualpipev``) run the input pass as one ``autograd.grad`` and then the weight pass as one
 ``autograd.grad`` per parameter group, over the same retained graph. Each of them recomputed the
-whole block: measured on ``model=small`` (block forwards counted over three steps), 2.5
-recomputations per block and micro-batch under dualpipev and 7 under zbv and interleaved_zb where
-one was meant, and the input pass's recomputed tensors held for the weight pass beside those each
-weight group recomputed again (zbv's busiest rank at 94 MB against 49 predicted).
+whole block: measured on ``model=small``'s pp2 (``python -m experiments.bench.plan --part k``),
+5.5 recomputations per block and micro-batch under zbv and interleaved_zb and 2.1 under dualpipev
+where one was meant, steps 1.5-2.2x slower, and the input pass's recomputed tensors held for the
+weight pass beside those each weight group recomputed again (zbv's busiest rank at 94 MB against
+49 predicted).
 
 Here the first unpack, in whichever pass, re-runs the forward once (from the inputs as they came,
 under the forward's autocast state and random-number state) and hands each recomputed tensor to

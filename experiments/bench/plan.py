@@ -8,9 +8,11 @@ between two computing ranks against the planner's rule for it; (m) (a)'s peak me
 layout once for three steps (memory does not move with the machine's speed: minutes, not half an
 hour; ``--sample N``: N layouts drawn at random from everything the planner lists on 2 and 4
 ranks instead); (v) the machine's own variation: the same step timed back to back for a minute on every
-core, and how far a run of (a)'s length would land from the typical step with no model involved.
+core, and how far a run of (a)'s length would land from the typical step with no model involved;
+(k) checkpointing under a split backward: each zero-bubble schedule's step and recomputations
+with torch's checkpoint against ``moe.recompute.checkpoint_once``.
 
-    python -m experiments.bench.plan [--part a|b|ab|r|s|h|m|v] [--steps 8] [--rounds 3] [--quick] [--calibrate]
+    python -m experiments.bench.plan [--part a|b|ab|r|s|h|m|v|k] [--steps 8] [--rounds 3] [--quick] [--calibrate]
                                      [--profile cpu_2core] [--seconds 60] [--alone] [--sample N] [--seed 0]
                                      [--out results.json]
 
@@ -760,6 +762,76 @@ def part_r(profile_name: str, steps: int = 9) -> dict:
 # ----- (s) the split backward ------------------------------------------------------------------------
 
 
+def _recompute_rank(rank, world, overrides, run_dir, once: bool):
+    """One rank of ``part_k``: the trainer, each block's forwards counted; ``once=False`` puts
+    torch's checkpoint where a split backward takes ``moe.recompute.checkpoint_once``."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import moe.model as mm
+
+    if not once:
+
+        def per_pass(fn, *args, context_fn=None):
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+
+        mm.checkpoint_once = per_pass
+    seen = {"n": 0}
+    forward = mm.Block.forward
+
+    def counted(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.training:
+            seen["n"] += 1
+        return forward(self, *args, **kwargs)
+
+    mm.Block.forward = counted
+    _rank_fn(rank, world, overrides, run_dir)
+    return seen["n"]
+
+
+RECOMPUTED = [
+    dict(pp=2, pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=4, checkpoint_activations=True),
+    dict(pp=2, pp_schedule="interleaved_zb", pp_virtual_stages=2, pp_microbatches=4, checkpoint_activations=True),
+    dict(pp=2, pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=4, checkpoint_activations=True),
+]
+
+
+def part_k(steps: int = 8, repeats: int = 2, layouts=None) -> dict:
+    """(k) checkpointing under a split backward: ``model=small`` on 2 ranks under each zero-bubble
+    schedule with activation checkpointing, its blocks checkpointed with torch's checkpoint (one
+    recomputation per graph task: the input pass, and each parameter group of the weight pass) and
+    with ``moe.recompute.checkpoint_once`` (one), alternately, ``repeats`` times: the median step
+    (steps 3 on) and each rank's block forwards per block and micro-batch beyond the first."""
+    from tests.support.dist import run_distributed
+
+    rows = []
+    for fields in layouts or RECOMPUTED:
+        rec = zplan.LayoutRecord(world=2, batch_size=16, **fields)
+        blocks = 4  # model=small's
+        out = dict(layout=rec.label(), torch=[], once=[])
+        for _ in range(repeats):
+            for mode in ("torch", "once"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    run = str(Path(tmp) / "run")
+                    counts = run_distributed(
+                        _recompute_rank, 2, [*BASE, f"train.steps={steps}", *rec.overrides()], run, mode == "once"
+                    )
+                    logged = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+                step = statistics.median(16 * 128 / r["tokens_per_s"] for r in logged[2:])
+                # every block runs once a micro-batch in the forward; the rest are recomputations
+                again = sum(counts) / (steps * rec.pp_microbatches * blocks) - 1
+                out[mode].append(dict(step_s=step, recomputations=again))
+        rows.append(out)
+        t, o = ([r["step_s"] for r in out[k]] for k in ("torch", "once"))
+        print(
+            f"| {rec.label()} | {', '.join(f'{x:.3f}' for x in t)} | {', '.join(f'{x:.3f}' for x in o)} "
+            f"| {statistics.median(t) / statistics.median(o):.2f}x "
+            f"| {out['torch'][0]['recomputations']:.2f} | {out['once'][0]['recomputations']:.2f} |",
+            flush=True,
+        )
+    return dict(rows=rows)
+
+
 def part_s(steps: int = 10) -> dict:
     """The zero-bubble schedules' split backward against a whole one, on one process: two blocks of
     ``model=small`` (dense, and MoE on the CPU kernel and on the reference loop; dense also at
@@ -1217,7 +1289,7 @@ def part_b(skew: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h", "m", "v"])
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h", "m", "v", "k"])
     ap.add_argument("--profile", default="cpu_2core", help="(r, h): the profile predicted on")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
@@ -1279,6 +1351,12 @@ def main(argv=None) -> int:
             "| a run's median step |\n|---|---|---|---|---|---|"
         )
         results["v"] = part_v(a.seconds, busy=not a.alone)
+    if a.part == "k":
+        print(
+            "| layout | torch's checkpoint s/step | checkpoint_once s/step | speed-up | recomputations a block "
+            "and micro-batch: torch's | checkpoint_once |\n|---|---|---|---|---|---|"
+        )
+        results["k"] = part_k(a.steps)
     if a.part == "r":
         print("| shape (sequences x tokens) | measured ms | predicted ms | error |\n|---|---|---|---|")
         results["r"] = part_r(a.profile)

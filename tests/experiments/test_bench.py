@@ -282,3 +282,15 @@ def test_the_memory_benchmarks_draw_is_of_the_planners_layouts():
     for bad in (0, total + 1):
         with pytest.raises(ValueError, match=rf"--sample {bad} is invalid: expected an integer in \[1, {total}\]"):
             sampled_layouts(bad)
+
+
+@pytest.mark.distributed  # two gloo ranks, four short runs
+def test_a_split_backward_recomputes_each_checkpointed_block_once():
+    """(k): through the trainer on 2 ranks under zbv with checkpointing, each block runs its
+    forward once a micro-batch and is recomputed once (moe.recompute.checkpoint_once); torch's
+    checkpoint in its place recomputes once per graph task of the split backward, more than once."""
+    from experiments.bench.plan import RECOMPUTED, part_k
+
+    (row,) = part_k(steps=3, repeats=1, layouts=RECOMPUTED[:1])["rows"]
+    assert row["once"][0]["recomputations"] == 1.0
+    assert row["torch"][0]["recomputations"] > 1.5
