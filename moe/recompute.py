@@ -94,6 +94,7 @@ class _Frame:
             # output whose grad_fn is the node saving it, a cycle only the garbage collector frees
             # (measured: every micro-batch's recomputed tensors alive to the step's end)
             nonlocal i
+            out = x.detach()
             if i < n:
                 if (tuple(x.shape), x.dtype) != self.specs[i]:
                     raise RuntimeError(
@@ -103,11 +104,11 @@ class _Frame:
                     )
                 h = self.holders[i]()
                 if h is not None:  # a holder autograd already let go of needs nothing
-                    h.value = x.detach() if x.requires_grad else x
+                    h.value = out
             i += 1
             if i >= n:
                 raise _Stop
-            return x.detach()
+            return out
 
         args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in self.args]
         with contextlib.ExitStack() as stack:

@@ -816,7 +816,7 @@ def part_k(steps: int = 8, repeats: int = 2, layouts=None) -> dict:
                     counts = run_distributed(
                         _recompute_rank, 2, [*BASE, f"train.steps={steps}", *rec.overrides()], run, mode == "once"
                     )
-                    logged = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+                    logged = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
                 step = statistics.median(16 * 128 / r["tokens_per_s"] for r in logged[2:])
                 # every block runs once a micro-batch in the forward; the rest are recomputations
                 again = sum(counts) / (steps * rec.pp_microbatches * blocks) - 1

@@ -173,6 +173,15 @@ def predict(
     def again(j):
         return cst.recomputes(blocks[j])
 
+    def grad_full_bytes(j):
+        # ZeRO-2/3's full-size local gradients of layer j, beside the shards until the reductions
+        # are waited for; a flat whose group is this rank alone too (ep = dp: the experts'; dp = 1:
+        # all): its shard is the whole buffer, the last step's, kept while this step's fills afresh
+        # (``zero.flat``: the shard takes the buffer over at the reduction), offloaded or not
+        if rec.zero_stage < 2:
+            return 0.0
+        return (blocks[j].params_dense + blocks[j].params_expert / rec.ep) * cst.c_w
+
     def layer_f(j):
         return comp[j]["F"] + moe[j]["F"]
 
@@ -202,7 +211,7 @@ def predict(
     def recomputed_keep(j):
         # a checkpointed block under a split backward: the input pass recomputes it once and all it
         # saves stays for the weight pass (moe.recompute.checkpoint_once; the input pass retains the
-        # graph); the CPU expert kernel's pooled hiddens among it are held apart (recomputed_held)
+        # graph); the CPU expert kernel's pooled hiddens among it are held apart (stage_held)
         b = blocks[j]
         return cst.saved_bytes(b) * T - cst.pooled_saved(b) if again(j) else 0.0
 
@@ -240,15 +249,10 @@ def predict(
             for s in range(n_st)
         ]
         stage_extra = [sum(extra_rows(j) for j in range(*stages[s])) for s in range(n_st)]
-        # ZeRO-2/3's full-size gradient buffers (grad_full below) appear at a rank's first backward:
+        # ZeRO-2/3's full-size gradient buffers (grad_full_bytes) appear at a rank's first backward:
         # a peak before it (GPipe's, after all the forwards) is without them; with accumulation
         # the later rounds' forwards run with them
-        rank_grads = [
-            sum((blocks[j].params_dense + blocks[j].params_expert / rec.ep) * cst.c_w for j in rank_layers[r])
-            if rec.zero_stage >= 2
-            else 0.0
-            for r in ranks
-        ]
+        rank_grads = [sum(grad_full_bytes(j) for j in rank_layers[r]) for r in ranks]
         live = live_plan(plan, stage_act, stage_keep, stage_extra, rank_grads if rec.grad_accum == 1 else None)
         stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
         if ckpt and plan.splits_backward:
@@ -281,12 +285,7 @@ def predict(
             (blocks[j].params_dense * (rec.dp > 1) + blocks[j].params_expert / rec.ep * (rec.edp > 1)) * cst.c_w
             for j in layers
         ]
-        # stages 2-3: full-size local gradients beside the shards until the reductions are waited for;
-        # a flat whose group is this rank alone too (ep = dp: the experts'; dp = 1: all): its shard
-        # is the whole buffer, the last step's, kept while this step's fills afresh (``zero.flat``:
-        # the shard takes the buffer over at the reduction), offloaded or not
-        own = [(blocks[j].params_dense + blocks[j].params_expert / rec.ep) * cst.c_w for j in layers]
-        grad_full = own if rec.zero_stage >= 2 else [0.0] * len(layers)
+        grad_full = [grad_full_bytes(j) for j in layers]
         if rec.zero_stage == 3:
             if rec.zero_hpz:  # the secondary partition: a 1/k slice of every block from its first forward on
                 parts["gathered_params"] += sum(_secondary(cst, blocks[j]) for j in layers)
