@@ -14,7 +14,8 @@ Buffers of one group (what exists depends on the stage, see ``ZeroEngine``):
   ``zero.nvme.shards.ShardPool``; then even one rank "gathers", from its file).
 - ``grad_full_P``: local gradients, summed over the micro-batches of a step (no communication in
   between); stages 2-3 free it once it has been reduce-scattered.
-- ``grad_shard_C``: the summed gradient of this rank's slice (stages 2-3).
+- ``grad_shard_C``: the summed gradient of this rank's slice (stages 2-3), kept from step to step;
+  a group of one rank takes ``grad_full_P`` over as its shard and frees it after the step.
 - ``master``: the fp32 master weights of this rank's optimizer range, on the optimizer device (a
   view of the compute weights when those are fp32 on that device; None with ``offload="nvme"``,
   whose master weights are in files, ``zero.nvme``). The optimizer (any elementwise
@@ -343,6 +344,10 @@ class FlatGroup:
         self.written = [False] * len(self.params)
         if self.stage >= 2:
             self.grad_full_P = None
+            if self.world == 1:
+                # the shard is the whole local buffer (finish_reduce), consumed by the step: kept, it
+                # would sit beside the next step's buffer, two full gradients where one is needed
+                self.grad_shard_C = None
 
     # ----- after the optimizer ------------------------------------------------------------------
     @torch.no_grad()

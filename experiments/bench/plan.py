@@ -33,7 +33,8 @@ profile measured at another time carries that into every prediction. ``SpeedProb
 model=small's forward and backward on every core right after each calibration and before each run,
 and each run's prediction times that ratio is reported beside the plain one: the machine's drift
 told from the model's error. Measured model-state bytes: ``zero.measure_memory`` of the engine after
-the last step's gradient reduction (the largest over the ranks). Measured peak: the trainer's
+the last step's gradient reduction (the largest over the ranks), less the gradients of a ZeRO-2/3
+group of one rank, which live only from the backward to the step. Measured peak: the trainer's
 ``summary.json`` memory (the CPU allocator's high-water mark through the profiler over the build and
 the first two steps, ``experiments.training.peak_memory``), the busiest rank's against the predicted
 peak (the busiest rank's; with offload plus its host bytes: one memory on the CPU). Printed: each
@@ -140,6 +141,13 @@ def _rank_fn(rank, world, overrides, run_dir):
         original(self)
         if seen["step"] < 2:
             seen["memory"] = measure_memory(self)
+            # the states kept from step to step, as the planner's model_states counts them: a
+            # ZeRO-2/3 group of one rank frees its gradients after each step (zero.flat)
+            seen["memory"]["device_total"] -= sum(
+                f.grad_shard_C.untyped_storage().nbytes()
+                for f in self.flats
+                if f.stage >= 2 and f.world == 1 and f.grad_shard_C is not None
+            )
 
     def counted_step(self, step):
         seen["step"] = step

@@ -341,8 +341,10 @@ def shard_memory_script(offload: str, offload_dir: str, width: int, depth: int, 
         buffers += sum(s.raw.numel() + _nbytes(s.shard) for s in engine._nvme.shards.slots)
     return {
         "shard_bytes": sum(f.shard_numel * 4 for f in engine.flats),
-        # stage 3 keeps each flat's reduced gradient between steps (in memory either way)
-        "grad_bytes": sum(_nbytes(f.grad_shard_C) for f in engine.flats),
+        # one step's gradients (in memory either way): one rank, so each flat's whole buffer,
+        # which the step consumes and frees
+        "grad_bytes": sum(f.padded * 4 for f in engine.flats),
+        "grad_held_bytes": sum(_nbytes(f.grad_shard_C) + _nbytes(f.grad_full_P) for f in engine.flats),
         "buffer_bytes": buffers,
         "held_bytes": held,
         "peak_bytes": peak - before,

@@ -233,23 +233,33 @@ def test_memory_parts_add_up_and_model_states_are_predict_memory(setting, world)
             held = [costs.blocks[j] for lo, hi in rr for j in range(lo, hi)]
             counts = {"dense": sum(b.params_dense for b in held), "expert": sum(b.params_expert for b in held)}
             options.append(
-                predict_memory(
-                    counts, dp=r.dp, ep=r.ep, stage=r.zero_stage, mixed_precision="fp32", offload=r.zero_offload
-                )["device_total"]
+                _kept_states(
+                    predict_memory(
+                        counts, dp=r.dp, ep=r.ep, stage=r.zero_stage, mixed_precision="fp32", offload=r.zero_offload
+                    ),
+                    r,
+                )
             )
         assert p.memory_parts["model_states"] in options, (r.label(), p.memory_parts["model_states"], options)
         if r.pp == 1:
-            assert (
-                p.memory_parts["model_states"]
-                == predict_memory(
+            assert p.memory_parts["model_states"] == _kept_states(
+                predict_memory(
                     costs.param_counts(),
                     dp=r.dp,
                     ep=r.ep,
                     stage=r.zero_stage,
                     mixed_precision="fp32",
                     offload=r.zero_offload,
-                )["device_total"]
+                ),
+                r,
             )
+
+
+def _kept_states(ms: dict, r) -> float:
+    """predict_memory's device bytes less what a ZeRO-2/3 group of one rank frees after each step
+    (its gradients: the planner's walk holds them from the first backward on)."""
+    alone = [k for k, w in (("dense", r.dp), ("expert", r.edp)) if w == 1 and r.zero_stage >= 2]
+    return ms["device_total"] - sum(ms[k]["grads"] for k in alone)
 
 
 def _unit(pp: int, v: int = 1) -> dict:
@@ -1068,12 +1078,13 @@ def test_each_stage_counts_its_most_live_forwards(p, m):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_rank_alone_in_its_sharding_group_holds_two_full_gradients_in_a_backward(setting, stage):
+def test_a_rank_alone_in_its_sharding_group_holds_its_gradients_from_the_backward_to_the_step(setting, stage):
     """ZeRO-2/3 on a group of one (dp = 1; the experts' group at ep = dp): the shard is the whole
-    gradient buffer, taken over at the reduction and kept to the next step, whose backward fills a
-    new one. The planner counted no full-size buffer there (its shards count as the model states),
-    and dp1 pipelines under ZeRO-2/3 came out 8-11% low. Measured on one process's engine, then
-    the planner's grad_buffers at least every layer's full gradients at such a layout."""
+    gradient buffer, taken over at the reduction and freed after the step, so the next backward
+    fills one buffer with no other beside it (the engine once kept the last step's shard to the next
+    reduction: two full gradients in every backward, which the planner had to count). Measured on
+    one process's engine; then the planner's grad_buffers hold every layer's full gradients at such
+    a layout, and its model states none of them."""
     cfg = cfg_of(*MODEL, f"parallel.zero_stage={stage}")
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -1082,15 +1093,16 @@ def test_a_rank_alone_in_its_sharding_group_holds_two_full_gradients_in_a_backwa
     seen = []
 
     def look(module, grad_output):  # in the backward, once the later layers' gradients are in
-        seen.append([(f.grad_shard_C, f.grad_full_P) for f in engine.flats if f.params])
+        seen.append([(f.grad_shard_C, f.grad_full_P, f.padded) for f in engine.flats if f.params])
 
     model.blocks[0].register_full_backward_pre_hook(look)
     for _ in range(2):
         model(idx).float().square().mean().backward()
         engine.step()
-    # the second backward: last step's shard and this step's buffer, apart, both full size
-    both = [(a, b) for a, b in seen[1] if b is not None]
-    assert both and all(a is not None and a.data_ptr() != b.data_ptr() and a.numel() == b.numel() for a, b in both)
+    # the second backward: this step's buffers only, full size
+    filling = [(a, b, n) for a, b, n in seen[1] if b is not None]
+    assert filling and all(a is None and b.numel() == n for a, b, n in filling)
+    assert all(f.grad_shard_C is None and f.grad_full_P is None for f in engine.flats)  # after the step
     engine.remove_hooks()
     if setting.tied:
         return
@@ -1101,6 +1113,15 @@ def test_a_rank_alone_in_its_sharding_group_holds_two_full_gradients_in_a_backwa
         layers = [j for s in plan.stages_of(r) for j in range(*plan.ranges[s])]
         full = sum((setting.costs.blocks[j].params_dense + setting.costs.blocks[j].params_expert) * 4 for j in layers)
         assert parts["grad_buffers"] >= full
+        states = predict_memory(
+            {
+                "dense": sum(setting.costs.blocks[j].params_dense for j in layers),
+                "expert": sum(setting.costs.blocks[j].params_expert for j in layers),
+            },
+            stage=stage,
+            mixed_precision="fp32",
+        )
+        assert parts["model_states"] == states["device_total"] - full
 
 
 def test_the_gradient_buffers_join_the_walk_at_a_ranks_first_backward():

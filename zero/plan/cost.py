@@ -174,10 +174,10 @@ def predict(
         return cst.recomputes(blocks[j])
 
     def grad_full_bytes(j):
-        # ZeRO-2/3's full-size local gradients of layer j, beside the shards until the reductions
-        # are waited for; a flat whose group is this rank alone too (ep = dp: the experts'; dp = 1:
-        # all): its shard is the whole buffer, the last step's, kept while this step's fills afresh
-        # (``zero.flat``: the shard takes the buffer over at the reduction), offloaded or not
+        # ZeRO-2/3's full-size local gradients of layer j, from its first backward, beside the shards
+        # until the reductions are waited for; a flat whose group is this rank alone (ep = dp: the
+        # experts'; dp = 1: all) has no other shard: the buffer becomes it at the reduction and is
+        # freed after the step (``zero.flat``), so its gradients leave the model states (below)
         if rec.zero_stage < 2:
             return 0.0
         return (blocks[j].params_dense + blocks[j].params_expert / rec.ep) * cst.c_w
@@ -279,7 +279,10 @@ def predict(
             offload=rec.zero_offload,
         )
         parts = dict.fromkeys(PARTS, 0.0)
-        parts["model_states"] = ms["device_total"]
+        # a group of one rank holds its gradients only from the first backward to the step: they
+        # are grad_full_bytes, in the activations' walk, not the states kept from step to step
+        alone = [k for k, w in (("dense", rec.dp), ("expert", rec.edp)) if w == 1] if rec.zero_stage >= 2 else []
+        parts["model_states"] = ms["device_total"] - sum(ms[k]["grads"] for k in alone)
         # the full size of each layer's sharded weights (and gradients), where the group shards them
         full = [
             (blocks[j].params_dense * (rec.dp > 1) + blocks[j].params_expert / rec.ep * (rec.edp > 1)) * cst.c_w
