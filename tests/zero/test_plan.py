@@ -1424,3 +1424,51 @@ def test_a_held_split_lists_the_pipelines_of_that_many_stages(setting):
     assert all(r.pp_layers == (2, 1, 1, 1) for r in recs)
     with pytest.raises(ValueError, match=r"pp_layers=\[0, 5\] is invalid: expected a list of positive integers"):
         zplan.enumerate(costs, world=2, batch_size=BATCH, fixed={"pp_layers": [0, 5]})
+
+
+def test_a_stages_working_memory_and_exchanges_count_at_its_own_actions():
+    """The walk adds a backward's working memory and a pass's All-to-All buffers while that stage's
+    action runs, before it frees anything: not the rank's largest at its peak of activations,
+    which may come at another stage's action (a pipeline rank holding the head and a recomputed
+    block came out 7% high). By hand: one rank, stages 0 (MoE: exchanges) and 1 (the head: a large
+    loss workspace), F0 F1 B1 B0."""
+    orders = [[[("F", 0, 0)], [("F", 1, 0)], [("B", 1, 0)], [("B", 0, 0)]]]
+    walk = live_activations(orders, [1.0, 1.0], [0.0, 0.0], work=[0.5, 3.0], a2a=[0.2, 0.0])
+    # B1 at work: both forwards' activations, the head's workspace, no exchange (was 2 + 3 + 0.2)
+    assert (walk.peak_bytes, walk.peak_work, walk.peak_a2a) == ((2.0,), (3.0,), (0.0,))
+    # a small head: the MoE stage's backward is the peak (1 + 1.5 + 0.2 against F1's 2)
+    walk = live_activations(orders, [1.0, 1.0], [0.0, 0.0], work=[1.5, 0.1], a2a=[0.2, 0.0])
+    assert (walk.peak_bytes, walk.peak_work, walk.peak_a2a) == ((1.0,), (1.5,), (0.2,))
+    # a forward's exchanges, once its activations are made: the second stage's, not the first's
+    walk = live_activations([[[("F", 0, 0)], [("F", 1, 0)]]], [1.0, 1.0], [0.0, 0.0], a2a=[1.0, 0.5])
+    assert (walk.peak_bytes, walk.peak_work, walk.peak_a2a) == ((2.0,), (0.0,), (0.5,))
+    # a weight pass exchanges nothing: its working memory over what the weight pass kept
+    split = [[[("F", 0, 0)], [("I", 0, 0)], [("W", 0, 0)]]]
+    walk = live_activations(split, [1.0], [0.6], work=[2.0], a2a=[0.3])
+    assert (walk.peak_bytes, walk.peak_work, walk.peak_a2a) == ((1.0,), (2.0,), (0.3,))  # I: 1 + 2 + 0.3
+    # a weight pass after another forward: the most alive, its working memory, no exchange
+    late = [[[("F", 0, 0)], [("I", 0, 0)], [("F", 1, 0)], [("W", 0, 0)]]]
+    walk = live_activations(late, [1.0, 1.0], [0.6, 0.0], work=[2.0, 0.0], a2a=[0.3, 0.0])
+    assert (walk.peak_bytes, walk.peak_work, walk.peak_a2a) == ((1.6,), (2.0,), (0.0,))  # W: 0.6 + 1 + 2
+
+
+def test_without_a_pipeline_the_exchanges_count_at_a_moe_layers_backward_only():
+    """Without a pipeline the peak is the backward layer's whose moment is largest; its All-to-All
+    buffers count only where that layer exchanges rows: at the head's loss (here the peak, as at
+    ``model=small``) none are in flight; with checkpointing a recomputed MoE block's backward is the
+    peak, and its send and receive rows (flat dispatch, a row of d_model fp32 per routed slot each
+    way, at the mean load) are there."""
+    cfg = cfg_of(*MODEL)
+    costs, profile = model_costs(model_config(cfg), 8), _profile()
+    rows = BATCH // 2 * 8 * cfg.moe.top_k  # a rank's tokens times top_k
+    exchange = 2 * rows * cfg.model.d_model * 4
+
+    def parts(**fields):
+        rec = zplan.LayoutRecord(world=2, batch_size=BATCH, ep=2, **fields)
+        return zplan.predict(rec, costs, profile, skew=1.0).memory_parts
+
+    plain = parts()
+    assert plain["a2a_buffers"] == 0.0 and plain["workspace"] > 0
+    assert parts(checkpoint_activations=True)["a2a_buffers"] == exchange
+    # ZeRO-2's gradient buffers fill as the backward goes: the peak moves to the last MoE layer's
+    assert parts(zero_stage=2)["a2a_buffers"] == exchange

@@ -33,15 +33,18 @@ Memory per rank (``memory_parts``, adding up to ``memory_bytes``), the busiest p
     expert_rows     the routed rows beyond the mean load, at the worst case: under a capacity
                     E_local x capacity bounds them exactly; dropless takes ``skew`` (default the
                     worst case: every token of the ep group routed to this rank's experts)
-    a2a_buffers     one MoE layer's send and receive buffers of rows (worst case); under
-                    ``ep_dispatch=node`` the larger of its two exchanges' (across nodes a row
-                    per token and node with its slots' ids and weights, inside as flat's)
+    a2a_buffers     the send and receive buffers of rows (worst case) of the MoE layer
+                    exchanging at the peak (none where the peak is elsewhere: the head's loss);
+                    under ``ep_dispatch=node`` the larger of its two exchanges' (across nodes a
+                    row per token and node with its slots' ids and weights, inside as flat's)
     workspace       the backward's working memory of one layer (the loss's fp32 logits at the
                     head; the CPU expert kernel's heap buffers and its weight gradients, all
                     alive until the engine's hook adds them in: ``_Costing.kernel_backward``),
                     and with activation checkpointing the recomputed block's activations:
                     without a pipeline, the layer's whose (last micro-batch's) backward runs at
-                    the peak (activations, gradients and it together); else the largest
+                    the peak (activations, gradients and it together); under one, the stage's
+                    whose backward action is the peak of the walk of the rank's order (each
+                    stage's largest layer, at its own I, W and B actions, with its exchanges)
     kernel_buffers  what kernels keep allocated from step to step beyond what they save: the CPU
                     expert kernel's buffer pool (``routing_kernels.cpu.pool``: per MoE layer its
                     block scratch, row buffers and weight gradients of 1 MB or more, one lane;
@@ -215,6 +218,20 @@ def predict(
         b = blocks[j]
         return cst.saved_bytes(b) * T - cst.pooled_saved(b) if again(j) else 0.0
 
+    def work_of(j):
+        # a layer's backward works in the larger of its own temporaries and its kernel's; with
+        # checkpointing also the recomputed block's activations (its kernel's saved buffers are
+        # kernel_buffers)
+        b = blocks[j]
+        w = max(b.transient_bytes * T, cst.kernel_backward(b))
+        if ckpt and again(j):
+            w += cst.saved_bytes(b) * T + _extra_rows_ckpt(cst, b) - cst.pooled(b, saved_only=True)
+        return w
+
+    def a2a_of(j):
+        # one MoE layer's All-to-All buffers, while its forward or backward exchanges rows
+        return cst.a2a_bytes(blocks[j]) if rec.ep > 1 and blocks[j].is_moe else 0.0
+
     # ----- memory: each pipeline rank --------------------------------------------------------
     ranks = range(rec.pp)
     rank_stages = [[0] for _ in ranks] if plan is None else [plan.stages_of(r) for r in ranks]
@@ -253,7 +270,18 @@ def predict(
         # a peak before it (GPipe's, after all the forwards) is without them; with accumulation
         # the later rounds' forwards run with them
         rank_grads = [sum(grad_full_bytes(j) for j in rank_layers[r]) for r in ranks]
-        live = live_plan(plan, stage_act, stage_keep, stage_extra, rank_grads if rec.grad_accum == 1 else None)
+        # each stage's backward working memory and All-to-All buffers, at its own actions in the walk
+        stage_work = [max(work_of(j) for j in range(*stages[s])) for s in range(n_st)]
+        stage_a2a = [max(a2a_of(j) for j in range(*stages[s])) for s in range(n_st)]
+        live = live_plan(
+            plan,
+            stage_act,
+            stage_keep,
+            stage_extra,
+            rank_grads if rec.grad_accum == 1 else None,
+            stage_work,
+            stage_a2a,
+        )
         stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
         if ckpt and plan.splits_backward:
             # the recomputed blocks' pooled hiddens, held from the input pass to the weight pass: the
@@ -308,21 +336,9 @@ def predict(
         # copies (stages 1-3; qgZ's all-to-alls send quantized rows instead)
         copy_rs = profile.collective_copies and rec.zero_stage >= 1 and not rec.zero_qgz
         in_flight = full if copy_rs else [0.0] * len(layers)
-        # a layer's backward works in the larger of its own temporaries and its kernel's
-        work = [max(blocks[j].transient_bytes * T, cst.kernel_backward(blocks[j])) for j in layers]
-        if ckpt:
-            # the recomputed block's activations (its kernel's saved buffers are kernel_buffers)
-            work = [
-                w
-                + cst.saved_bytes(blocks[j]) * T
-                + _extra_rows_ckpt(cst, blocks[j])
-                - cst.pooled(blocks[j], saved_only=True)
-                if again(j)
-                else w
-                for w, j in zip(work, layers)
-            ]
-        workspace = max(work, default=0.0)
         if plan is None:
+            work = [work_of(j) for j in layers]
+            a2a = [a2a_of(j) for j in layers]
             # the saved hiddens the CPU expert kernel's pool holds stay allocated when the backward
             # has read them (the pool keeps its buffers from step to step): they do not drain
             hidden = [0.0 if ckpt else cst.pooled_saved(blocks[j]) for j in layers]
@@ -330,30 +346,27 @@ def predict(
             xs = [extra_rows(j) for j in layers]
             # the (last micro-batch's) backward: activations drain layer by layer as gradient
             # buffers fill (with accumulation the earlier micro-batches' are all there) and the
-            # reductions of the layers done are in flight; the working memory is the layer's whose
-            # backward runs
+            # reductions of the layers done are in flight; the working memory and the All-to-All
+            # buffers are the layer's whose backward runs (none at the head's, often the peak)
             best, arg = -1.0, 0
             for k in range(len(layers)):
                 grads = sum(grad_full[k:] if rec.grad_accum == 1 else grad_full) + sum(in_flight[k + 1 :])
-                v = sum(acts[: k + 1]) + sum(xs[: k + 1]) + grads + work[k]
+                v = sum(acts[: k + 1]) + sum(xs[: k + 1]) + grads + work[k] + a2a[k]
                 if v > best:
                     best, arg = v, k
             parts["activations"] = sum(acts[: arg + 1]) + sum(hidden)
             parts["expert_rows"] = sum(xs[: arg + 1])
             parts["grad_buffers"] = sum(grad_full[arg:] if rec.grad_accum == 1 else grad_full)
             parts["grad_buffers"] += sum(in_flight[arg + 1 :])
-            workspace = work[arg]
+            parts["workspace"], parts["a2a_buffers"] = work[arg], a2a[arg]
             count = 1
         else:
             held = sum(stage_held[s] for s in rank_stages[r])
             parts["activations"], parts["expert_rows"] = live.peak_bytes[r] + held, live.peak_extra[r]
             # under no_sync the whole step (accumulation), else from the rank's first backward
             parts["grad_buffers"] = live.peak_grads[r] if rec.grad_accum == 1 else sum(grad_full)
+            parts["workspace"], parts["a2a_buffers"] = live.peak_work[r], live.peak_a2a[r]
             count = live.peak_count[r]
-        moe_layers = [blocks[j] for j in layers if blocks[j].is_moe]
-        if rec.ep > 1 and moe_layers:
-            parts["a2a_buffers"] = max(cst.a2a_bytes(b) for b in moe_layers)
-        parts["workspace"] = workspace
         parts["kernel_buffers"] = sum(cst.pooled(blocks[j]) for j in layers)
         per_rank.append((sum(parts.values()), parts, ms["host_total"], count))
     mem, parts, host, _ = max(per_rank, key=lambda x: x[0])

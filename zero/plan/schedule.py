@@ -109,34 +109,54 @@ class LiveActivations:
     stage_peak_kept: tuple[int, ...] = ()
     # per rank: of ``grads``, what was there at the peak (0 where it came before the first backward)
     peak_grads: tuple[float, ...] = ()
+    # per rank: the working memory and the All-to-All buffers of the action at the peak
+    peak_work: tuple[float, ...] = ()
+    peak_a2a: tuple[float, ...] = ()
 
 
-def live_activations(orders, act, keep, extra=None, grads=None) -> LiveActivations:
+def live_activations(orders, act, keep, extra=None, grads=None, work=None, a2a=None) -> LiveActivations:
     """Walk each rank's order: F of stage s adds ``act[s]`` (and ``extra[s]``), I leaves ``keep[s]``
     of it for the weight pass, W frees that, B frees it all; the rank's first action that computes
     weight gradients (W or B; a split backward's input pass does not) adds ``grads[r]`` for the
-    rest of the walk (the full-size gradient buffers ZeRO-2/3 fill from then on). The peak is over
-    the walk; the schedule's timing does not change which forwards are alive, only the order does."""
-    extra = extra or [0.0] * len(act)
+    rest of the walk (the full-size gradient buffers ZeRO-2/3 fill from then on, as that first
+    pass frees what it read: counted from its end). While a backward
+    action of stage s (I, W or B) runs, before it frees anything, its working memory ``work[s]``
+    is there too, and while a pass that exchanges rows runs (F, I or B) the stage's All-to-All
+    buffers ``a2a[s]``: each at its own stage's actions, not the largest at every moment. The peak
+    is over the walk; the schedule's timing does not change which forwards are alive, only the
+    order does."""
+    n = len(act)
+    extra = extra or [0.0] * n
     grads = grads or [0.0] * len(orders)
-    peaks, extras, counts, at_peak = [], [], [], []
-    stage_alive, stage_most = [0] * len(act), [0] * len(act)
-    stage_kept, stage_most_kept = [0] * len(act), [0] * len(act)
+    work = work or [0.0] * n
+    a2a = a2a or [0.0] * n
+    peaks, extras, counts, at_peak, works, a2as = [], [], [], [], [], []
+    stage_alive, stage_most = [0] * n, [0] * n
+    stage_kept, stage_most_kept = [0] * n, [0] * n
     for r, groups in enumerate(orders):
         live = x = g = 0.0
-        best = (0.0, 0.0, 0.0)
+        best = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+        def see(*moment):
+            nonlocal best
+            if sum(moment) > sum(best):
+                best = moment
+
         alive = most = 0  # forwards whose input-gradient pass has not run
         for group in groups:
             for kind, s, _ in group:
-                if kind in "WB":  # the weights' gradients: a split backward's weight pass
-                    g = grads[r]
                 if kind == "F":
                     live += act[s]
                     x += extra[s]
                     alive += 1
                     stage_alive[s] += 1
                     stage_most[s] = max(stage_most[s], stage_alive[s])
-                elif kind == "I":
+                    see(live, x, g, 0.0, a2a[s])  # the forward's exchanges, its activations made
+                else:  # a backward pass at work, all it reads still there
+                    see(live, x, g, work[s], 0.0 if kind == "W" else a2a[s])
+                if kind in "WB":  # the weights' gradients (a split backward's weight pass), filled
+                    g = grads[r]  # as the pass frees what it read: counted once it has run
+                if kind == "I":
                     live -= act[s] - keep[s]
                     x -= extra[s]
                     alive -= 1
@@ -146,20 +166,28 @@ def live_activations(orders, act, keep, extra=None, grads=None) -> LiveActivatio
                 elif kind == "W":
                     live -= keep[s]
                     stage_kept[s] -= 1
-                else:  # B
+                elif kind == "B":
                     live -= act[s]
                     x -= extra[s]
                     alive -= 1
                     stage_alive[s] -= 1
-                if live + x + g > sum(best):
-                    best = (live, x, g)
+                see(live, x, g, 0.0, 0.0)
                 most = max(most, alive)
         peaks.append(best[0])
         extras.append(best[1])
         at_peak.append(best[2])
+        works.append(best[3])
+        a2as.append(best[4])
         counts.append(most)
     return LiveActivations(
-        tuple(peaks), tuple(extras), tuple(counts), tuple(stage_most), tuple(stage_most_kept), tuple(at_peak)
+        tuple(peaks),
+        tuple(extras),
+        tuple(counts),
+        tuple(stage_most),
+        tuple(stage_most_kept),
+        tuple(at_peak),
+        tuple(works),
+        tuple(a2as),
     )
 
 
@@ -299,12 +327,20 @@ def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None, comm
 
 
 @functools.lru_cache(maxsize=4096)
-def _live_cached(plan_key, act, keep, extra, grads) -> LiveActivations:
-    return live_activations(_orders(*plan_key), list(act), list(keep), list(extra), list(grads))
+def _live_cached(plan_key, act, keep, extra, grads, work, a2a) -> LiveActivations:
+    return live_activations(_orders(*plan_key), list(act), list(keep), list(extra), list(grads), list(work), list(a2a))
 
 
-def live_plan(plan: PipelinePlan, act, keep, extra=None, grads=None) -> LiveActivations:
+def live_plan(plan: PipelinePlan, act, keep, extra=None, grads=None, work=None, a2a=None) -> LiveActivations:
     """``live_activations`` over ``plan``'s own order, memoised."""
     key = (plan.schedule, plan.pp, plan.virtual, plan.microbatches)
-    extra = tuple(extra or [0.0] * len(act))
-    return _live_cached(key, tuple(act), tuple(keep), extra, tuple(grads or [0.0] * plan.pp))
+    zeros = (0.0,) * len(act)
+    return _live_cached(
+        key,
+        tuple(act),
+        tuple(keep),
+        tuple(extra or zeros),
+        tuple(grads or [0.0] * plan.pp),
+        tuple(work or zeros),
+        tuple(a2a or zeros),
+    )
