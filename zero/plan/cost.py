@@ -256,12 +256,22 @@ def predict(
             sum(saved(j) for j in range(*stages[s])) - hidden[s] + out[s] - (recv_in[s] if own_input else 0.0)
             for s in range(n_st)
         ]
+        # what torch's pipeline runtime holds until the step's end: it waits for its sends there (the
+        # multi-stage schedules; GPipe waits for its forward sends after the last forward, when the
+        # backward still holds those outputs, and for its backward sends at the end; 1F1B waits for
+        # each send at once), and a tensor sent to another rank lives as long as its send
+        on_rank = [plan.rank_of(s) for s in range(n_st)]
+        multi, gpipe = plan.style != "single", plan.schedule == "gpipe"
+        sent_f = [out[s] if multi and s + 1 < n_st and on_rank[s + 1] != on_rank[s] else 0.0 for s in range(n_st)]
+        sent_b = [
+            recv_in[s] if (multi or gpipe) and s > 0 and on_rank[s - 1] != on_rank[s] else 0.0 for s in range(n_st)
+        ]
         # what the weight pass still needs after the input pass, of what the forward added to the
         # walk: the kernel's pooled hiddens are held apart (stage_held), so they leave no hole here
         # (a split backward's input pass frees none of the stage's saved tensors: the weight pass
         # reads them, from the pool or not)
         stage_keep = [
-            max(0.0, min(sum(keep(j) for j in range(*stages[s])) - hidden[s], stage_act[s]))
+            max(0.0, min(sum(keep(j) for j in range(*stages[s])) - hidden[s], stage_act[s] - sent_f[s]))
             + (sum(recomputed_keep(j) for j in range(*stages[s])) if plan.splits_backward else 0.0)
             for s in range(n_st)
         ]
@@ -281,6 +291,8 @@ def predict(
             rank_grads if rec.grad_accum == 1 else None,
             stage_work,
             stage_a2a,
+            sent_f,
+            sent_b,
         )
         stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
         if ckpt and plan.splits_backward:

@@ -114,7 +114,9 @@ class LiveActivations:
     peak_a2a: tuple[float, ...] = ()
 
 
-def live_activations(orders, act, keep, extra=None, grads=None, work=None, a2a=None) -> LiveActivations:
+def live_activations(
+    orders, act, keep, extra=None, grads=None, work=None, a2a=None, sent_f=None, sent_b=None
+) -> LiveActivations:
     """Walk each rank's order: F of stage s adds ``act[s]`` (and ``extra[s]``), I leaves ``keep[s]``
     of it for the weight pass, W frees that, B frees it all; the rank's first action that computes
     weight gradients (W or B; a split backward's input pass does not) adds ``grads[r]`` for the
@@ -122,14 +124,19 @@ def live_activations(orders, act, keep, extra=None, grads=None, work=None, a2a=N
     pass frees what it read: counted from its end). While a backward
     action of stage s (I, W or B) runs, before it frees anything, its working memory ``work[s]``
     is there too, and while a pass that exchanges rows runs (F, I or B) the stage's All-to-All
-    buffers ``a2a[s]``: each at its own stage's actions, not the largest at every moment. The peak
-    is over the walk; the schedule's timing does not change which forwards are alive, only the
-    order does."""
+    buffers ``a2a[s]``: each at its own stage's actions, not the largest at every moment. What a
+    send to another rank holds until the step's end (torch's runtime waits for its sends there):
+    ``sent_f[s]``, part of ``act[s]``, stays when the backward frees the rest (the stage's output,
+    sent on by the forward), and ``sent_b[s]`` joins at the input pass or whole backward (the
+    input's gradient, sent back). The peak is over the walk; the schedule's timing does not change
+    which forwards are alive, only the order does."""
     n = len(act)
     extra = extra or [0.0] * n
     grads = grads or [0.0] * len(orders)
     work = work or [0.0] * n
     a2a = a2a or [0.0] * n
+    sent_f = sent_f or [0.0] * n
+    sent_b = sent_b or [0.0] * n
     peaks, extras, counts, at_peak, works, a2as = [], [], [], [], [], []
     stage_alive, stage_most = [0] * n, [0] * n
     stage_kept, stage_most_kept = [0] * n, [0] * n
@@ -156,8 +163,10 @@ def live_activations(orders, act, keep, extra=None, grads=None, work=None, a2a=N
                     see(live, x, g, work[s], 0.0 if kind == "W" else a2a[s])
                 if kind in "WB":  # the weights' gradients (a split backward's weight pass), filled
                     g = grads[r]  # as the pass frees what it read: counted once it has run
+                if kind in "IB":  # the input's gradient, sent back and held by its send
+                    live += sent_b[s]
                 if kind == "I":
-                    live -= act[s] - keep[s]
+                    live -= act[s] - sent_f[s] - keep[s]
                     x -= extra[s]
                     alive -= 1
                     stage_alive[s] -= 1
@@ -167,7 +176,7 @@ def live_activations(orders, act, keep, extra=None, grads=None, work=None, a2a=N
                     live -= keep[s]
                     stage_kept[s] -= 1
                 elif kind == "B":
-                    live -= act[s]
+                    live -= act[s] - sent_f[s]
                     x -= extra[s]
                     alive -= 1
                     stage_alive[s] -= 1
@@ -327,11 +336,14 @@ def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None, comm
 
 
 @functools.lru_cache(maxsize=4096)
-def _live_cached(plan_key, act, keep, extra, grads, work, a2a) -> LiveActivations:
-    return live_activations(_orders(*plan_key), list(act), list(keep), list(extra), list(grads), list(work), list(a2a))
+def _live_cached(plan_key, act, keep, extra, grads, work, a2a, sent_f, sent_b) -> LiveActivations:
+    lists = (list(x) for x in (act, keep, extra, grads, work, a2a, sent_f, sent_b))
+    return live_activations(_orders(*plan_key), *lists)
 
 
-def live_plan(plan: PipelinePlan, act, keep, extra=None, grads=None, work=None, a2a=None) -> LiveActivations:
+def live_plan(
+    plan: PipelinePlan, act, keep, extra=None, grads=None, work=None, a2a=None, sent_f=None, sent_b=None
+) -> LiveActivations:
     """``live_activations`` over ``plan``'s own order, memoised."""
     key = (plan.schedule, plan.pp, plan.virtual, plan.microbatches)
     zeros = (0.0,) * len(act)
@@ -341,6 +353,5 @@ def live_plan(plan: PipelinePlan, act, keep, extra=None, grads=None, work=None, 
         tuple(keep),
         tuple(extra or zeros),
         tuple(grads or [0.0] * plan.pp),
-        tuple(work or zeros),
-        tuple(a2a or zeros),
+        *(tuple(x or zeros) for x in (work, a2a, sent_f, sent_b)),
     )
