@@ -218,13 +218,13 @@ def predict(
         b = blocks[j]
         return cst.saved_bytes(b) * T - cst.pooled_saved(b) if again(j) else 0.0
 
-    def work_of(j):
+    def work_of(j, recomputing=True):
         # a layer's backward works in the larger of its own temporaries and its kernel's; with
         # checkpointing also the recomputed block's activations (its kernel's saved buffers are
-        # kernel_buffers)
+        # kernel_buffers), where the pass recomputes (not a split backward's weight pass)
         b = blocks[j]
         w = max(b.transient_bytes * T, cst.kernel_backward(b))
-        if ckpt and again(j):
+        if recomputing and ckpt and again(j):
             w += cst.saved_bytes(b) * T + _extra_rows_ckpt(cst, b) - cst.pooled(b, saved_only=True)
         return w
 
@@ -283,6 +283,7 @@ def predict(
         # each stage's backward working memory and All-to-All buffers, at its own actions in the walk
         stage_work = [max(work_of(j) for j in range(*stages[s])) for s in range(n_st)]
         stage_a2a = [max(a2a_of(j) for j in range(*stages[s])) for s in range(n_st)]
+        stage_work_w = [max(work_of(j, recomputing=False) for j in range(*stages[s])) for s in range(n_st)]
         live = live_plan(
             plan,
             stage_act,
@@ -293,6 +294,7 @@ def predict(
             stage_a2a,
             sent_f,
             sent_b,
+            stage_work_w,
         )
         stage_held = [m * (recv_in[s] + recv_grad[s]) + live.stage_peak_count[s] * hidden[s] for s in range(n_st)]
         if ckpt and plan.splits_backward:

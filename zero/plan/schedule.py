@@ -115,7 +115,7 @@ class LiveActivations:
 
 
 def live_activations(
-    orders, act, keep, extra=None, grads=None, work=None, a2a=None, sent_f=None, sent_b=None
+    orders, act, keep, extra=None, grads=None, work=None, a2a=None, sent_f=None, sent_b=None, work_w=None
 ) -> LiveActivations:
     """Walk each rank's order: F of stage s adds ``act[s]`` (and ``extra[s]``), I leaves ``keep[s]``
     of it for the weight pass, W frees that, B frees it all; the rank's first action that computes
@@ -123,7 +123,8 @@ def live_activations(
     rest of the walk (the full-size gradient buffers ZeRO-2/3 fill from then on, as that first
     pass frees what it read: counted from its end). While a backward
     action of stage s (I, W or B) runs, before it frees anything, its working memory ``work[s]``
-    is there too, and while a pass that exchanges rows runs (F, I or B) the stage's All-to-All
+    is there too (``work_w[s]`` at a weight pass, default ``work``: a block recomputed at the input
+    pass is in ``keep`` by then), and while a pass that exchanges rows runs (F, I or B) the stage's All-to-All
     buffers ``a2a[s]``: each at its own stage's actions, not the largest at every moment. What a
     send to another rank holds until the step's end (torch's runtime waits for its sends there):
     ``sent_f[s]``, part of ``act[s]``, stays when the backward frees the rest (the stage's output,
@@ -137,6 +138,7 @@ def live_activations(
     a2a = a2a or [0.0] * n
     sent_f = sent_f or [0.0] * n
     sent_b = sent_b or [0.0] * n
+    work_w = work_w or work
     peaks, extras, counts, at_peak, works, a2as = [], [], [], [], [], []
     stage_alive, stage_most = [0] * n, [0] * n
     stage_kept, stage_most_kept = [0] * n, [0] * n
@@ -160,7 +162,7 @@ def live_activations(
                     stage_most[s] = max(stage_most[s], stage_alive[s])
                     see(live, x, g, 0.0, a2a[s])  # the forward's exchanges, its activations made
                 else:  # a backward pass at work, all it reads still there
-                    see(live, x, g, work[s], 0.0 if kind == "W" else a2a[s])
+                    see(live, x, g, work_w[s] if kind == "W" else work[s], 0.0 if kind == "W" else a2a[s])
                 if kind in "WB":  # the weights' gradients (a split backward's weight pass), filled
                     g = grads[r]  # as the pass frees what it read: counted once it has run
                 if kind in "IB":  # the input's gradient, sent back and held by its send
@@ -336,13 +338,22 @@ def simulate_plan(plan: PipelinePlan, stage_rank, dur, latency, first=None, comm
 
 
 @functools.lru_cache(maxsize=4096)
-def _live_cached(plan_key, act, keep, extra, grads, work, a2a, sent_f, sent_b) -> LiveActivations:
-    lists = (list(x) for x in (act, keep, extra, grads, work, a2a, sent_f, sent_b))
+def _live_cached(plan_key, act, keep, extra, grads, work, a2a, sent_f, sent_b, work_w) -> LiveActivations:
+    lists = (list(x) for x in (act, keep, extra, grads, work, a2a, sent_f, sent_b, work_w))
     return live_activations(_orders(*plan_key), *lists)
 
 
 def live_plan(
-    plan: PipelinePlan, act, keep, extra=None, grads=None, work=None, a2a=None, sent_f=None, sent_b=None
+    plan: PipelinePlan,
+    act,
+    keep,
+    extra=None,
+    grads=None,
+    work=None,
+    a2a=None,
+    sent_f=None,
+    sent_b=None,
+    work_w=None,
 ) -> LiveActivations:
     """``live_activations`` over ``plan``'s own order, memoised."""
     key = (plan.schedule, plan.pp, plan.virtual, plan.microbatches)
@@ -354,4 +365,5 @@ def live_plan(
         tuple(extra or zeros),
         tuple(grads or [0.0] * plan.pp),
         *(tuple(x or zeros) for x in (work, a2a, sent_f, sent_b)),
+        tuple(work_w or work or zeros),
     )
