@@ -121,16 +121,19 @@ def live_activations(
     of it for the weight pass, W frees that, B frees it all; the rank's first action that computes
     weight gradients (W or B; a split backward's input pass does not) adds ``grads[r]`` for the
     rest of the walk (the full-size gradient buffers ZeRO-2/3 fill from then on, as that first
-    pass frees what it read: counted from its end). While a backward
-    action of stage s (I, W or B) runs, before it frees anything, its working memory ``work[s]``
-    is there too (``work_w[s]`` at a weight pass, default ``work``: a block recomputed at the input
-    pass is in ``keep`` by then), and while a pass that exchanges rows runs (F, I or B) the stage's All-to-All
-    buffers ``a2a[s]``: each at its own stage's actions, not the largest at every moment. What a
-    send to another rank holds until the step's end (torch's runtime waits for its sends there):
-    ``sent_f[s]``, part of ``act[s]``, stays when the backward frees the rest (the stage's output,
-    sent on by the forward), and ``sent_b[s]`` joins at the input pass or whole backward (the
-    input's gradient, sent back). The peak is over the walk; the schedule's timing does not change
-    which forwards are alive, only the order does."""
+    pass frees what it read: counted from its end).
+
+    While a backward action of stage s (I, W or B) runs, before it frees anything, its working
+    memory ``work[s]`` is there too (``work_w[s]`` at a weight pass, default ``work``: a block the
+    input pass recomputed is in ``keep`` by then), and while a pass that exchanges rows runs (F, I
+    or B) the stage's All-to-All buffers ``a2a[s]``: each at its own stage's actions, not the
+    largest at every moment.
+
+    What a send to another rank holds until the step's end (torch's runtime waits for its sends
+    there): ``sent_f[s]``, part of ``act[s]``, stays when the backward frees the rest (the stage's
+    output, sent on by the forward), and ``sent_b[s]`` joins at the input pass or whole backward
+    (the input's gradient, sent back). The peak is over the walk; the schedule's timing does not
+    change which forwards are alive, only the order does."""
     n = len(act)
     extra = extra or [0.0] * n
     grads = grads or [0.0] * len(orders)
