@@ -10,6 +10,8 @@ import torch
 
 from .units import Unit
 
+WAIT_RANGE = "zero.wait_reductions"  # the profiler range around the wait for a step's reductions
+
 
 class GradReduction:
     """Mixed into ``ZeroEngine``: gradient arrival and reduction. Owns ``_where``, ``_grad_hooks``
@@ -100,12 +102,15 @@ class GradReduction:
             self._wait_reductions()
 
     def _wait_reductions(self) -> None:
-        for u in self._bwd_queue:
-            for h in u.handles:
-                h.wait()
-            for f in u.flats:
-                f.finish_reduce()
-            u.handles, u.launched, u.ready, u.arrived = [], False, False, 0
+        # named for the CPU memory meter (experiments.training.peak_memory): a copy the collective
+        # library made of its input is gone by this range's end, wherever its free was
+        with torch.profiler.record_function(WAIT_RANGE):
+            for u in self._bwd_queue:
+                for h in u.handles:
+                    h.wait()
+                for f in u.flats:
+                    f.finish_reduce()
+                u.handles, u.launched, u.ready, u.arrived = [], False, False, 0
         self._unreduced = False
         self._reducing = False
         self._reduced = True

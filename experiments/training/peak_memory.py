@@ -17,8 +17,10 @@ reference to a collective's buffer (an All-to-All's send rows) after the trainin
 go, so the free is never reported and the block would count as alive to the end (measured: one
 832 KB block of four per MoE layer at ``model=small`` ep2, the peak 1-4 MB high, differently each
 run). Each event carries the block's address, so a block never seen freed whose address a later
-allocation takes was freed by then: the meter frees it there (``paired_high_water``). A block freed
-unseen whose address is never taken again still counts. The profiler records every operator too,
+allocation takes was freed by then: the meter frees it there (``paired_high_water``). A copy the
+collective library made of its input (gloo's reduce-scatter clones it) is freed, if unseen, by the
+end of the engine's wait for its reductions (``_allocations``). Any other block freed unseen whose
+address is never taken again still counts. The profiler records every operator too,
 so the window is short: the build and the first ``train.memory_steps`` optimizer steps (the first
 step allocates the optimizer state; the next ones run with it); a later step whose routing sends
 more rows to this rank's experts than any of those is not seen. While the window lasts, steps run a few percent slower.
@@ -26,10 +28,13 @@ more rows to this rank's experts than any of those is not seen. While the window
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 
 import torch
+
+from zero.reduction import WAIT_RANGE
 
 CPU_METHOD = (
     "torch.profiler(profile_memory=True): CPU allocator's allocations and frees paired by address, "
@@ -59,28 +64,64 @@ def paired_high_water(events) -> int:
     """The largest running sum of ``(time, address, nbytes)`` allocation (+) and free (-) events,
     in time order, each free taking its allocation's bytes (a free of a block allocated before the
     events began counts nothing), and an allocation at the address of a block still counted
-    first freeing that block: its free happened where no event was recorded."""
-    live: dict[int, int] = {}
+    first freeing that block: its free happened where no event was recorded. An event may carry a
+    fourth field, the allocation it belongs to (its index among the events): such a free (one the
+    meter infers, ``_allocations``) takes that allocation only, if it is still counted, and not a
+    later block at the same address."""
+    live: dict[int, tuple[int, int]] = {}
     cur = peak = 0
-    for _, ptr, n in sorted(events, key=lambda e: e[0]):
+    for k, e in sorted(enumerate(events), key=lambda ie: ie[1][0]):
+        _, ptr, n = e[:3]
         if n > 0:
-            cur += n - live.get(ptr, 0)
-            live[ptr] = n
+            cur += n - live.get(ptr, (0, -1))[0]
+            live[ptr] = (n, k)
             peak = max(peak, cur)
         elif n < 0:
-            cur -= live.pop(ptr, 0)
+            if len(e) > 3 and live.get(ptr, (0, -1))[1] != e[3]:
+                continue  # the inferred free of a block already freed
+            cur -= live.pop(ptr, (0, -1))[0]
     return peak
 
 
-def _allocations(prof):
-    """``(time, address, nbytes)`` of every allocation and free the profiler recorded."""
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+def _library_copy(node) -> bool:
+    """An ``aten::clone`` run by a collective op itself: gloo's copy of a reduce-scatter's input."""
+    clone = node.parent
+    while clone is not None and clone.name != "aten::clone":
+        clone = clone.parent if clone.name.startswith("aten::empty") else None
+    return clone is not None and clone.parent is not None and clone.parent.name.startswith("c10d::")
+
+
+def _allocations(prof) -> list[tuple]:
+    return _allocation_events(prof.profiler.kineto_results.experimental_event_tree())
+
+
+def _allocation_events(roots) -> list[tuple]:
+    """``(time, address, nbytes)`` of every allocation and free the profiler recorded, and an
+    inferred free for each copy a collective library made of its input: gloo's reduce-scatter
+    clones its input, and the clone's last reference goes with the collective's work, on gloo's
+    worker thread when that finishes last, a free the profiler does not see. Unseen, the copy
+    counted to the end of the window unless a later block took its address, so a layout's peak
+    came out one gradient flat high on some runs and not on others (measured: 1.57 MB on one rank
+    of two identical ranks, `model=small` under ZeRO-1/2). Such a copy is gone once the engine's
+    wait for its reductions returns (the ``zero.wait_reductions`` range): freed there, unless its
+    free was seen before."""
+    allocs, waits = [], []
+    stack = list(roots)
     while stack:
         node = stack.pop()
         stack.extend(node.children)
         f = node.extra_fields
         if type(f).__name__ == "_ExtraFields_Allocation":
-            yield node.start_time_ns, f.ptr, f.alloc_size
+            allocs.append((node.start_time_ns, f.ptr, f.alloc_size, f.alloc_size > 0 and _library_copy(node)))
+        elif node.name == WAIT_RANGE:
+            waits.append(node.end_time_ns)
+    waits.sort()
+    events = [(t, ptr, n) for t, ptr, n, _ in allocs]
+    for k, (t, ptr, n, copy) in enumerate(allocs):
+        i = bisect.bisect_right(waits, t)
+        if copy and i < len(waits):
+            events.append((waits[i], ptr, -n, k))
+    return events
 
 
 class PeakMemory:

@@ -17,6 +17,7 @@ from experiments.training.peak_memory import PeakMemory, paired_high_water
 from experiments.training.preflight import PreflightError, profile_of, record_of, resolve_auto
 from tests.support.dist import run_distributed
 from tests.support.training import LOSS_RTOL, TINY, cfg_of, run
+from zero.reduction import WAIT_RANGE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -269,3 +270,82 @@ def test_the_trainers_peak_moves_by_a_planted_allocation(monkeypatch, tmp_path, 
     got = run(cfg_of(*cfg), tmp_path, stdlib, "planted")["memory"]["measured_peak_bytes"][0]
     # the same allocations in the same order (a fixed seed, one thread) plus the ballast under the peak
     assert got - plain == 32 * MiB
+
+
+def test_an_inferred_free_takes_its_own_allocation_only():
+    # (time, address, bytes, allocation): the free the meter infers for allocation 0 at time 5
+    # finds the block at A already freed and another in its place: it takes nothing
+    events = [(1, 0xA, 4), (2, 0xA, -4), (3, 0xA, 6), (5, 0xA, -4, 0), (6, 0xB, 1)]
+    assert paired_high_water(events) == 7
+    # unseen free: the inferred one takes the block at time 5
+    assert paired_high_water([(1, 0xA, 4), (5, 0xA, -4, 0), (6, 0xB, 3)]) == 4
+
+
+class _ExtraFields_Allocation:  # the name the meter reads off the profiler's allocation events
+    def __init__(self, ptr, size):
+        self.ptr, self.alloc_size = ptr, size
+
+
+def _node(name, t0, t1=None, parent=None, fields=None):
+    from types import SimpleNamespace
+
+    n = SimpleNamespace(name=name, start_time_ns=t0, end_time_ns=t1 or t0, parent=parent, children=[])
+    n.extra_fields = fields
+    if parent is not None:
+        parent.children.append(n)
+    return n
+
+
+def test_a_collectives_copy_is_freed_by_the_end_of_the_engines_wait():
+    """gloo's reduce-scatter clones its input; the clone goes with the collective's work, on gloo's
+    worker thread when that finishes last, a free the profiler does not see. The meter frees such a
+    copy at the end of the engine's wait for its reductions (its profiler range), unless it saw the
+    free before. An allocation elsewhere, or a collective's own output, is left alone."""
+    from experiments.training.peak_memory import _allocation_events
+
+    def trace(seen_free: bool, op: str = "aten::clone"):
+        rs = _node("c10d::_reduce_scatter_base_", 10, 20)
+        inner = _node(op, 11, 19, rs)
+        empty = _node("aten::empty_strided", 12, 13, inner)
+        roots = [rs, _node(WAIT_RANGE, 30, 40)]
+        _node("[memory]", 12, parent=empty, fields=_ExtraFields_Allocation(0xA, 8 * MiB))
+        if seen_free:
+            roots.append(_node("[memory]", 35, fields=_ExtraFields_Allocation(0xA, -8 * MiB)))
+        roots.append(_node("[memory]", 50, fields=_ExtraFields_Allocation(0xB, 3 * MiB)))  # after the wait
+        return paired_high_water(_allocation_events(roots))
+
+    assert trace(seen_free=False) == 8 * MiB  # was 11 MiB: the copy counted beside the later block
+    assert trace(seen_free=True) == 8 * MiB
+    assert trace(seen_free=False, op="aten::empty") == 11 * MiB  # not a copy of an input: left alone
+
+
+def _reduce_scatter_trace(rank, world):
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from experiments.training.peak_memory import _allocations, _library_copy
+
+    x = torch.randn(MiB // 4)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = torch.empty(MiB // 4)
+        work = dist.reduce_scatter_tensor(out, x, async_op=True)
+        with record_function(WAIT_RANGE):
+            work.wait()
+        del work
+    copies, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation" and node.extra_fields.alloc_size > 0:
+            copies.append(_library_copy(node))
+    return copies, paired_high_water(_allocations(prof))
+
+
+@pytest.mark.distributed
+def test_the_meter_finds_gloos_reduce_scatter_copy_in_a_real_trace():
+    """The op names the meter looks for are torch's: a reduce-scatter through gloo, traced by the
+    profiler, has its input's clone under a ``c10d::`` op, and the meter's peak over that window
+    is the clone and the output, however the clone's free fell."""
+    [(copies, peak)] = run_distributed(_reduce_scatter_trace, 1)
+    assert copies.count(True) == 1, copies
+    assert peak == 2 * MiB
