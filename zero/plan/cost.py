@@ -276,10 +276,11 @@ def predict(
             for s in range(n_st)
         ]
         stage_extra = [sum(extra_rows(j) for j in range(*stages[s])) for s in range(n_st)]
-        # ZeRO-2/3's full-size gradient buffers (grad_full_bytes) appear at a rank's first backward:
-        # a peak before it (GPipe's, after all the forwards) is without them; with accumulation
+        # ZeRO-2/3's full-size gradient buffers (grad_full_bytes, one per block) appear at their
+        # stage's first backward: a peak before it (GPipe's, after all the forwards; an interleaved
+        # rank's last stage's first backward before its others') is without them; with accumulation
         # the later rounds' forwards run with them
-        rank_grads = [sum(grad_full_bytes(j) for j in rank_layers[r]) for r in ranks]
+        stage_grads = [sum(grad_full_bytes(j) for j in range(*stages[s])) for s in range(n_st)]
         # each stage's backward working memory and All-to-All buffers, at its own actions in the walk
         stage_work = [max(work_of(j) for j in range(*stages[s])) for s in range(n_st)]
         stage_a2a = [max(a2a_of(j) for j in range(*stages[s])) for s in range(n_st)]
@@ -289,7 +290,7 @@ def predict(
             stage_act,
             stage_keep,
             stage_extra,
-            rank_grads if rec.grad_accum == 1 else None,
+            stage_grads if rec.grad_accum == 1 else None,
             stage_work,
             stage_a2a,
             sent_f,

@@ -107,7 +107,7 @@ class LiveActivations:
     stage_peak_count: tuple[int, ...] = ()
     # per stage: the most of its micro-batches between their input and weight passes at once
     stage_peak_kept: tuple[int, ...] = ()
-    # per rank: of ``grads``, what was there at the peak (0 where it came before the first backward)
+    # per rank: of its stages' ``grads``, what was there at the peak (0 before their first backward)
     peak_grads: tuple[float, ...] = ()
     # per rank: the working memory and the All-to-All buffers of the action at the peak
     peak_work: tuple[float, ...] = ()
@@ -118,10 +118,11 @@ def live_activations(
     orders, act, keep, extra=None, grads=None, work=None, a2a=None, sent_f=None, sent_b=None, work_w=None
 ) -> LiveActivations:
     """Walk each rank's order: F of stage s adds ``act[s]`` (and ``extra[s]``), I leaves ``keep[s]``
-    of it for the weight pass, W frees that, B frees it all; the rank's first action that computes
-    weight gradients (W or B; a split backward's input pass does not) adds ``grads[r]`` for the
-    rest of the walk (the full-size gradient buffers ZeRO-2/3 fill from then on, as that first
-    pass frees what it read: counted from its end).
+    of it for the weight pass, W frees that, B frees it all; a stage's first action that computes
+    weight gradients (W or B; a split backward's input pass does not) adds ``grads[s]`` for the
+    rest of the walk (the full-size gradient buffers ZeRO-2/3 fill from then on, one per block, as
+    that first pass frees what it read: counted from its end; a rank's other stages have theirs
+    from their own first).
 
     While a backward action of stage s (I, W or B) runs, before it frees anything, its working
     memory ``work[s]`` is there too (``work_w[s]`` at a weight pass, default ``work``: a block the
@@ -136,7 +137,7 @@ def live_activations(
     change which forwards are alive, only the order does."""
     n = len(act)
     extra = extra or [0.0] * n
-    grads = grads or [0.0] * len(orders)
+    grads = grads or [0.0] * n
     work = work or [0.0] * n
     a2a = a2a or [0.0] * n
     sent_f = sent_f or [0.0] * n
@@ -145,8 +146,9 @@ def live_activations(
     peaks, extras, counts, at_peak, works, a2as = [], [], [], [], [], []
     stage_alive, stage_most = [0] * n, [0] * n
     stage_kept, stage_most_kept = [0] * n, [0] * n
-    for r, groups in enumerate(orders):
+    for groups in orders:
         live = x = g = 0.0
+        filling: set[int] = set()  # the stages whose gradient buffers this rank has
         best = (0.0, 0.0, 0.0, 0.0, 0.0)
 
         def see(*moment):
@@ -166,8 +168,9 @@ def live_activations(
                     see(live, x, g, 0.0, a2a[s])  # the forward's exchanges, its activations made
                 else:  # a backward pass at work, all it reads still there
                     see(live, x, g, work_w[s] if kind == "W" else work[s], 0.0 if kind == "W" else a2a[s])
-                if kind in "WB":  # the weights' gradients (a split backward's weight pass), filled
-                    g = grads[r]  # as the pass frees what it read: counted once it has run
+                if kind in "WB" and s not in filling:  # the weights' gradients, filled as the pass
+                    filling.add(s)  # frees what it read: counted once it has run
+                    g += grads[s]
                 if kind in "IB":  # the input's gradient, sent back and held by its send
                     live += sent_b[s]
                 if kind == "I":
@@ -366,7 +369,7 @@ def live_plan(
         tuple(act),
         tuple(keep),
         tuple(extra or zeros),
-        tuple(grads or [0.0] * plan.pp),
+        tuple(grads or zeros),
         *(tuple(x or zeros) for x in (work, a2a, sent_f, sent_b)),
         tuple(work_w or work or zeros),
     )
