@@ -118,6 +118,19 @@ def _ffn(d: int, f: int, activation: str, c: int, rows: float = 1.0, expert: boo
     return mms, params, saved, wgrad, transient
 
 
+def _attention_output_grads(cfg: TransformerConfig, c: int) -> float:
+    """Per token, the gradients of the attention's weight operators' outputs: what a split
+    backward's input pass keeps for the weight pass (MHA/GQA: the fused qkv projection and the
+    output projection; MLA: its down and up projections, the latents' norms and the output
+    projection)."""
+    D, H, J, O = cfg.d_model, cfg.n_heads, cfg.attn_head_dim, cfg.value_head_dim  # noqa: E741
+    if cfg.attention == "mla":
+        qr, kvr, rope, nope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        q = H * J if qr is None else 2 * qr + H * J  # with q_lora: its down projection and norm
+        return c * (q + 2 * kvr + rope + H * (nope + O) + D)  # kv's down projection and norm
+    return c * ((H + 2 * cfg.kv_heads) * J + D)
+
+
 def _attention(cfg: TransformerConfig, c: int, L: int):
     D, H = cfg.d_model, cfg.n_heads
     J, O = cfg.attn_head_dim, cfg.value_head_dim  # noqa: E741 (O: the legend's value head dim)
@@ -268,6 +281,9 @@ def model_costs(
         mms = list(attn_mms)
         saved = norms + attn_saved
         wgrad = attn_wgrad
+        # the output gradients a split backward's input pass captures: the attention's projections'
+        # and the two norms' (for their weights)
+        captured = _attention_output_grads(cfg, c) + 2 * c * D
         transient = 2 * c * D + attn_transient
         ops = 2 * _OPS["norm"] + attn_ops + _OPS["residual"]
         traffic = 2 * _norm_traffic(D, c) + attn_traffic + 2 * 3 * c * D  # and the two residual additions
@@ -294,6 +310,10 @@ def model_costs(
                 row_saved = hidden + 12
             saved += K * row_saved
             wgrad += e_wgrad
+            # the router's (fp32 logits); the experts': the fused kernel's weight pass takes its
+            # output's gradient, the grouped experts' their projections' outputs' per row
+            ins = 2 if m.activation == "swiglu" else 1
+            captured += 4 * E + (c * D if experts == "fused" else K * c * (ins * m.d_ff + D))
             # the router's fp32 input, its passes per expert, the routing metadata; per routed row
             # its activation and the rows' moves: the reference and CPU kernels gather the rows in,
             # assemble the experts' outputs and gather them back (a read and a write each; the
@@ -319,6 +339,8 @@ def model_costs(
                 params_dense += s_params
                 saved += s_saved + c * D
                 wgrad += s_wgrad
+                s_ins = 2 if m.activation == "swiglu" else 1
+                captured += c * (s_ins * (m.shared_d_ff or m.d_ff * m.num_shared_experts) + D)
                 transient = max(transient, s_transient)
                 ops += _OPS[m.activation]
                 ffn_act = _act_traffic(m.shared_d_ff or m.d_ff * m.num_shared_experts, m.activation, c)
@@ -351,6 +373,7 @@ def model_costs(
                 moe_fields.update(_fused_pool(D, m.d_ff, m.activation == "swiglu"))
         else:
             f_mms, f_params, f_saved, f_wgrad, f_transient = _ffn(D, cfg.d_ff, "swiglu", c)
+            captured += c * (2 * cfg.d_ff + D)
             mms += f_mms
             params_dense += f_params
             saved += f_saved
@@ -374,6 +397,7 @@ def model_costs(
                 act_bytes=saved,
                 act_bytes_checkpointed=c * D,  # the block's input only
                 wgrad_bytes=wgrad,
+                wgrad_captured_bytes=captured,
                 transient_bytes=transient,
                 boundary_bytes=c * D,
                 **moe_fields,

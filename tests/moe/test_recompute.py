@@ -199,3 +199,33 @@ def test_the_whole_model_trains_on_a_loss_as_without_checkpointing():
     want = dict(ref.named_parameters())
     for n, p in ckpt.named_parameters():
         assert torch.equal(p.grad, want[n].grad), n
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize("once", [False, True])
+def test_the_input_pass_captures_what_the_planner_counts(attention, once):
+    """What a split backward's input pass keeps for the weight pass beyond the saved tensors: torch
+    captures the gradient of every weight operator's output (``stage_backward_input``'s param
+    groups). The planner keeps them, per block and token ``BlockCost.wgrad_captured_bytes``, from the
+    input pass to the weight pass; for a checkpointed block they come on top of what it recomputed.
+    Counted here off the groups themselves, each tensor once, against the planner's figure for the
+    blocks (the CPU's fused expert kernel: its weight pass takes its output's gradient)."""
+    from moe.costs import model_costs
+
+    cfg = _cfg(**(MLA if attention == "mla" else {}))
+    _, _, stage = _models(cfg, once)
+    torch.manual_seed(1)
+    x = torch.randn(B, L, D, requires_grad=True)
+    out = stage(x)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    _, groups = stage_backward_input([out], [torch.randn(B, L, D)], [x], iter(params))
+    seen = {}
+    for g in groups:
+        for grads in g.get("grads") or []:
+            for t in grads or ():
+                if isinstance(t, torch.Tensor):
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    captured = sum(seen.values())
+    costs = model_costs(cfg, L, experts="fused")
+    want = sum(b.wgrad_captured_bytes for b in costs.blocks[1:-1]) * B * L
+    assert captured == want, (captured, want)

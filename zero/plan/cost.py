@@ -214,9 +214,12 @@ def predict(
     def recomputed_keep(j):
         # a checkpointed block under a split backward: the input pass recomputes it once and all it
         # saves stays for the weight pass (moe.recompute.checkpoint_once; the input pass retains the
-        # graph); the CPU expert kernel's pooled hiddens among it are held apart (stage_held)
+        # graph), with the output gradients it captured for the weight operators; the CPU expert
+        # kernel's pooled hiddens among it are held apart (stage_held)
         b = blocks[j]
-        return cst.saved_bytes(b) * T - cst.pooled_saved(b) if again(j) else 0.0
+        if not again(j):
+            return 0.0
+        return (cst.saved_bytes(b) + b.wgrad_captured_bytes) * T - cst.pooled_saved(b)
 
     def work_of(j, recomputing=True):
         # a layer's backward works in the larger of its own temporaries and its kernel's; with

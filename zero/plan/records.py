@@ -50,6 +50,9 @@ class BlockCost:
     # the embedding and the head run once, and save what they always save)
     checkpointed: bool = True
     wgrad_bytes: float = 0.0  # of act_bytes: what the weight pass still needs after the input pass
+    # what a split backward's input pass captures for the weight pass beyond the saved tensors: the
+    # gradients of the weight operators' outputs (torch's stage_backward_input keeps them)
+    wgrad_captured_bytes: float = 0.0
     transient_bytes: float = 0.0  # the backward's working memory beyond what is saved
     boundary_bytes: float = 0.0  # handed to the next layer (a pipeline's point-to-point)
     output_bytes: float = 0.0  # the output of a layer that hands nothing on (the head's logits)
