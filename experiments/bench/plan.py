@@ -10,9 +10,11 @@ hour; ``--sample N``: N layouts drawn at random from everything the planner list
 ranks instead); (v) the machine's own variation: the same step timed back to back for a minute on every
 core, and how far a run of (a)'s length would land from the typical step with no model involved;
 (k) checkpointing under a split backward: each zero-bubble schedule's step and recomputations
-with torch's checkpoint against ``moe.recompute.checkpoint_once``.
+with torch's checkpoint against ``moe.recompute.checkpoint_once``; (c) one layout's census: the
+blocks alive at each rank's measured peak, by the pipeline action and operators that allocated
+them, beside the planner's parts (``--world N --layout JSON``).
 
-    python -m experiments.bench.plan [--part a|b|ab|r|s|h|m|v|k] [--steps 8] [--rounds 3] [--quick] [--calibrate]
+    python -m experiments.bench.plan [--part a|b|ab|r|s|h|m|v|k|c] [--steps 8] [--rounds 3] [--quick] [--calibrate]
                                      [--profile cpu_2core] [--seconds 60] [--alone] [--sample N] [--seed 0]
                                      [--out results.json]
 
@@ -673,6 +675,78 @@ def sampled_layouts(n: int, seed: int = 0, worlds=(2, 4)) -> list[tuple[int, dic
     ]
 
 
+def _census_rank(rank, world, overrides, run_dir):
+    """One rank: the trainer on ``overrides`` with the meter's census at its peak
+    (``experiments.training.peak_memory.census_at_peak``)."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.train import train
+    from experiments.training import peak_memory
+
+    seen = {}
+    original = peak_memory.PeakMemory._finish
+
+    def finish(self):
+        prof = self._prof
+        original(self)
+        seen["blocks"] = peak_memory.census_at_peak(prof.profiler.kineto_results.experimental_event_tree())
+        seen["peak"] = self._peak
+
+    peak_memory.PeakMemory._finish = finish
+    try:
+        conf = Path(__file__).resolve().parents[2] / "conf"
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        train(cfg, run_dir=run_dir)
+    finally:
+        peak_memory.PeakMemory._finish = original
+    return seen
+
+
+def census_groups(blocks, top: int = 12) -> list[tuple[str, str, int, int]]:
+    """``(pipeline action, operators, bytes, blocks)`` of a census, grouped by the pipeline action
+    that allocated each block (``PP:...``, or "-") and its three innermost operators, largest first."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for n, chain in blocks:
+        action = next((c for c in chain if c.startswith("PP:")), "-")
+        ops = " < ".join(c[:40] for c in chain[:3]) or "(outside any operator)"
+        g = groups.setdefault((action, ops), [0, 0])
+        g[0] += n
+        g[1] += 1
+    rows = [(a, o, b, k) for (a, o), (b, k) in groups.items()]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def part_c(world: int, fields: dict, top: int = 12) -> dict:
+    """One layout's census: the blocks alive at each rank's measured peak (three steps, as
+    ``--part m``), grouped by the pipeline action and operators that allocated them, beside the
+    planner's parts for that rank at the routing measured. Where a layout's peak misses, this is
+    what tells which part of the model is wrong."""
+    from experiments.plan import _model_config, compose
+    from tests.support.dist import run_distributed
+
+    profile = zplan.load_profile("cpu_2core")
+    costs = model_costs(_model_config(compose(BASE)), 128, experts=profile.expert_kernel)
+    rec = zplan.LayoutRecord(world=world, batch_size=16, **fields)
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_distributed(
+            _census_rank, world, [*BASE, "train.steps=3", *rec.overrides()], str(Path(tmp) / "run"), timeout=900
+        )
+        logged = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    skew, pred = _memory_at_routing(rec, costs, profile, logged[:2])
+    by_pp = pred.memory_parts_by_pp_rank or [pred.memory_parts]
+    print(f"{rec.label()}: predicted {(pred.memory_bytes + pred.host_bytes) / 1e6:.2f} MB at skew {skew:.2f}")
+    out = []
+    for r, seen in enumerate(got):
+        parts = by_pp[r // (world // rec.pp)] if rec.pp > 1 else by_pp[0]
+        print(f"rank {r}: measured {seen['peak'] / 1e6:.2f} MB; predicted parts (MB):")
+        print("  " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in parts.items() if v))
+        for action, ops, b, k in census_groups(seen["blocks"], top):
+            print(f"  {b / 1e6:8.3f} MB {k:4d}  {action:8s} {ops}")
+        out.append(dict(rank=r, peak=seen["peak"], groups=census_groups(seen["blocks"], top)))
+    return dict(layout=rec.label(), predicted=pred.memory_bytes + pred.host_bytes, ranks=out)
+
+
 def part_m(layouts=None) -> dict:
     """(a)'s peak memory alone: each layout once, three steps (the meter watches the build and the
     first two), the busiest rank's measured peak against the prediction at the routing of the
@@ -1297,7 +1371,7 @@ def part_b(skew: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h", "m", "v", "k"])
+    ap.add_argument("--part", default="ab", choices=["a", "b", "ab", "r", "s", "h", "m", "v", "k", "c"])
     ap.add_argument("--profile", default="cpu_2core", help="(r, h): the profile predicted on")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="(a): runs of each layout, round robin")
@@ -1321,6 +1395,13 @@ def main(argv=None) -> int:
         help="(m): this many layouts drawn at random from all the planner lists on 2 and 4 ranks, not (a)'s",
     )
     ap.add_argument("--seed", type=int, default=0, help="(m): the draw's seed")
+    ap.add_argument("--world", type=int, default=2, help="(c): ranks")
+    ap.add_argument(
+        "--layout",
+        default="{}",
+        help='(c): the layout\'s LayoutRecord fields as JSON, e.g. \'{"pp": 2, "pp_schedule": "zbv", '
+        '"pp_virtual_stages": 2}\'',
+    )
     ap.add_argument("--skew", type=float, default=1.5, help="(b): dropless experts' worst rows over the mean")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -1365,6 +1446,14 @@ def main(argv=None) -> int:
             "and micro-batch: torch's | checkpoint_once |\n|---|---|---|---|---|---|"
         )
         results["k"] = part_k(a.steps)
+    if a.part == "c":
+        try:
+            fields = json.loads(a.layout)
+        except json.JSONDecodeError as e:
+            raise SystemExit(
+                f"--layout {a.layout!r} is not JSON ({e}): give LayoutRecord fields, e.g. '{{\"pp\": 2}}'"
+            ) from None
+        results["c"] = part_c(a.world, fields)
     if a.part == "r":
         print("| shape (sequences x tokens) | measured ms | predicted ms | error |\n|---|---|---|---|")
         results["r"] = part_r(a.profile)

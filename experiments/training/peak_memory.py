@@ -68,19 +68,26 @@ def paired_high_water(events) -> int:
     fourth field, the allocation it belongs to (its index among the events): such a free (one the
     meter infers, ``_allocations``) takes that allocation only, if it is still counted, and not a
     later block at the same address."""
+    return _high_water(events)[0]
+
+
+def _high_water(events, stop: int | None = None) -> tuple[int, int, dict]:
+    """``paired_high_water``'s walk: the peak, the position in time order where it was reached,
+    and the blocks counted (address -> (bytes, allocation index)) after position ``stop``."""
     live: dict[int, tuple[int, int]] = {}
-    cur = peak = 0
-    for k, e in sorted(enumerate(events), key=lambda ie: ie[1][0]):
+    cur = peak = at = 0
+    for pos, (k, e) in enumerate(sorted(enumerate(events), key=lambda ie: ie[1][0])):
         _, ptr, n = e[:3]
         if n > 0:
             cur += n - live.get(ptr, (0, -1))[0]
             live[ptr] = (n, k)
-            peak = max(peak, cur)
-        elif n < 0:
-            if len(e) > 3 and live.get(ptr, (0, -1))[1] != e[3]:
-                continue  # the inferred free of a block already freed
+            if cur > peak:
+                peak, at = cur, pos
+        elif n < 0 and not (len(e) > 3 and live.get(ptr, (0, -1))[1] != e[3]):  # else: freed already
             cur -= live.pop(ptr, (0, -1))[0]
-    return peak
+        if pos == stop:
+            break
+    return peak, at, live
 
 
 def _library_copy(node) -> bool:
@@ -93,6 +100,30 @@ def _library_copy(node) -> bool:
 
 def _allocations(prof) -> list[tuple]:
     return _allocation_events(prof.profiler.kineto_results.experimental_event_tree())
+
+
+def census_at_peak(roots) -> list[tuple[int, tuple[str, ...]]]:
+    """The blocks alive at the high-water mark of the profiler's event tree ``roots``, paired as
+    the meter pairs them: each as ``(nbytes, chain)``, ``chain`` the names of the operators and
+    ranges that allocated it, the innermost first (a pipeline's actions appear as
+    ``PP:<stage><F|I|W|B><micro-batch>``). What the planner's parts are checked against when a
+    layout's peak misses (``python -m experiments.bench.plan --part c``)."""
+    chains = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        f = node.extra_fields
+        if type(f).__name__ == "_ExtraFields_Allocation" and f.alloc_size > 0:
+            chain, p = [], node.parent
+            while p is not None:
+                chain.append(p.name)
+                p = p.parent
+            chains[(node.start_time_ns, f.ptr)] = tuple(chain)
+    events = _allocation_events(roots)
+    _, at, _ = _high_water(events)
+    _, _, live = _high_water(events, stop=at)
+    return [(n, chains.get(tuple(events[k][:2]), ())) for n, k in live.values()]
 
 
 def _allocation_events(roots) -> list[tuple]:

@@ -349,3 +349,32 @@ def test_the_meter_finds_gloos_reduce_scatter_copy_in_a_real_trace():
     [(copies, peak)] = run_distributed(_reduce_scatter_trace, 1)
     assert copies.count(True) == 1, copies
     assert peak == 2 * MiB
+
+
+def test_the_census_lists_the_blocks_alive_at_the_peak_with_what_allocated_them():
+    """``census_at_peak``: the blocks counted at the high-water mark, each with the operators and
+    pipeline action that allocated it (what `--part c` groups); a block freed before the peak, or
+    allocated after it, is not among them."""
+    from experiments.bench.plan import census_groups
+    from experiments.training.peak_memory import census_at_peak
+
+    f0 = _node("PP:1F0", 0, 10)
+    mm = _node("aten::mm", 1, 2, f0)
+    b0 = _node("PP:1B0", 20, 30)
+    add = _node("aten::add", 21, 22, b0)
+    roots = [
+        f0,
+        b0,
+        _node("[memory]", 1, parent=mm, fields=_ExtraFields_Allocation(0xA, 4 * MiB)),
+        _node("[memory]", 2, parent=mm, fields=_ExtraFields_Allocation(0xB, 1 * MiB)),
+        _node("[memory]", 3, fields=_ExtraFields_Allocation(0xB, -1 * MiB)),  # freed before the peak
+        _node("[memory]", 21, parent=add, fields=_ExtraFields_Allocation(0xC, 2 * MiB)),  # the peak: 6 MiB
+        _node("[memory]", 25, fields=_ExtraFields_Allocation(0xA, -4 * MiB)),
+        _node("[memory]", 26, fields=_ExtraFields_Allocation(0xD, 3 * MiB)),  # after the peak
+    ]
+    blocks = sorted(census_at_peak(roots))
+    assert blocks == [(2 * MiB, ("aten::add", "PP:1B0")), (4 * MiB, ("aten::mm", "PP:1F0"))]
+    assert census_groups(blocks) == [
+        ("PP:1F0", "aten::mm < PP:1F0", 4 * MiB, 1),
+        ("PP:1B0", "aten::add < PP:1B0", 2 * MiB, 1),
+    ]
