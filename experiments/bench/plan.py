@@ -124,12 +124,21 @@ QUICK = [0, 1, 4, 5, 8, 10, 12, 14]
 DRIFT = [(1, dict()), LAYOUTS[0], LAYOUTS[8]]
 
 
-def _rank_fn(rank, world, overrides, run_dir):
-    """One rank: the trainer on ``overrides``; the engine's model-state bytes after the last
-    reduction (a wrapped ``_wait_reductions``: each call is after a step's reduction completed)."""
+def _train(overrides, run_dir) -> dict:
+    """The trainer's ``train`` on the project's config with ``overrides``: its summary."""
     from hydra import compose, initialize_config_dir
 
     from experiments.train import train
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    return train(cfg, run_dir=run_dir)
+
+
+def _rank_fn(rank, world, overrides, run_dir):
+    """One rank: the trainer on ``overrides``; the engine's model-state bytes after the last
+    reduction (a wrapped ``_wait_reductions``: each call is after a step's reduction completed)."""
     from experiments.training.loop import Trainer
     from zero.engine import ZeroEngine
     from zero.memory import measure_memory
@@ -157,10 +166,7 @@ def _rank_fn(rank, world, overrides, run_dir):
 
     ZeroEngine._wait_reductions, Trainer.train_step = wait_and_measure, counted_step
     try:
-        conf = Path(__file__).resolve().parents[2] / "conf"
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            cfg = compose("train", overrides=overrides)
-        summary = train(cfg, run_dir=run_dir)  # every rank the same: only rank 0 writes
+        summary = _train(overrides, run_dir)  # every rank the same: only rank 0 writes
     finally:
         ZeroEngine._wait_reductions, Trainer.train_step = original, original_step
     return seen["memory"]["device_total"], summary["memory"]["measured_peak_bytes"]
@@ -678,9 +684,6 @@ def sampled_layouts(n: int, seed: int = 0, worlds=(2, 4)) -> list[tuple[int, dic
 def _census_rank(rank, world, overrides, run_dir):
     """One rank: the trainer on ``overrides`` with the meter's census at its peak
     (``experiments.training.peak_memory.census_at_peak``)."""
-    from hydra import compose, initialize_config_dir
-
-    from experiments.train import train
     from experiments.training import peak_memory
 
     seen = {}
@@ -694,10 +697,7 @@ def _census_rank(rank, world, overrides, run_dir):
 
     peak_memory.PeakMemory._finish = finish
     try:
-        conf = Path(__file__).resolve().parents[2] / "conf"
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            cfg = compose("train", overrides=overrides)
-        train(cfg, run_dir=run_dir)
+        _train(overrides, run_dir)
     finally:
         peak_memory.PeakMemory._finish = original
     return seen

@@ -108,25 +108,23 @@ def census_at_peak(roots) -> list[tuple[int, tuple[str, ...]]]:
     ranges that allocated it, the innermost first (a pipeline's actions appear as
     ``PP:<stage><F|I|W|B><micro-batch>``). What the planner's parts are checked against when a
     layout's peak misses (``python -m experiments.bench.plan --part c``)."""
-    chains = {}
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        f = node.extra_fields
-        if type(f).__name__ == "_ExtraFields_Allocation" and f.alloc_size > 0:
-            chain, p = [], node.parent
-            while p is not None:
-                chain.append(p.name)
-                p = p.parent
-            chains[(node.start_time_ns, f.ptr)] = tuple(chain)
-    events = _allocation_events(roots)
+    nodes: list = []
+    events = _allocation_events(roots, nodes)
     _, at, _ = _high_water(events)
     _, _, live = _high_water(events, stop=at)
-    return [(n, chains.get(tuple(events[k][:2]), ())) for n, k in live.values()]
+    return [(n, _chain(nodes[k])) for n, k in live.values()]
 
 
-def _allocation_events(roots) -> list[tuple]:
+def _chain(node) -> tuple[str, ...]:
+    """The names of the operators and ranges around a profiler event, the innermost first."""
+    chain, p = [], node.parent
+    while p is not None:
+        chain.append(p.name)
+        p = p.parent
+    return tuple(chain)
+
+
+def _allocation_events(roots, nodes: list | None = None) -> list[tuple]:
     """``(time, address, nbytes)`` of every allocation and free the profiler recorded, and an
     inferred free for each copy a collective library made of its input: gloo's reduce-scatter
     clones its input, and the clone's last reference goes with the collective's work, on gloo's
@@ -135,7 +133,8 @@ def _allocation_events(roots) -> list[tuple]:
     came out one gradient flat high on some runs and not on others (measured: 1.57 MB on one rank
     of two identical ranks, `model=small` under ZeRO-1/2). Such a copy is gone once the engine's
     wait for its reductions returns (the ``zero.wait_reductions`` range): freed there, unless its
-    free was seen before."""
+    free was seen before. ``nodes``, when given, receives each recorded event's profiler node, in
+    the order of the events it belongs to (the inferred frees come after them all)."""
     allocs, waits = [], []
     stack = list(roots)
     while stack:
@@ -144,6 +143,8 @@ def _allocation_events(roots) -> list[tuple]:
         f = node.extra_fields
         if type(f).__name__ == "_ExtraFields_Allocation":
             allocs.append((node.start_time_ns, f.ptr, f.alloc_size, f.alloc_size > 0 and _library_copy(node)))
+            if nodes is not None:
+                nodes.append(node)
         elif node.name == WAIT_RANGE:
             waits.append(node.end_time_ns)
     waits.sort()
